@@ -1,0 +1,87 @@
+"""Engine configuration: every knob of a served model, validated with errors that name the knob."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
+from .sampling.params import SamplingLimits
+
+
+@dataclass
+class EngineConfig:
+    checkpoint: str
+    tokenizer: str | None = None           # folder with tokenizer files; default: the checkpoint
+    device: str = "auto"                   # auto | cpu | cuda | npu (cuda:1 etc.)
+    dtype: str = "bfloat16"                # compute dtype: bfloat16 | float32 (| float16 off the CPU)
+    kv_cache: str = "bf16"                 # bf16 (model dtype) | tq (TurboQuant 4-bit)
+    page_size: int = 128
+    kv_cache_memory: str | float | int = "1GiB"   # bytes ('2GiB') or a fraction (0.3) of free memory
+    max_num_seqs: int = 16
+    max_model_len: int | None = None       # default: min(checkpoint max_position_embeddings, 8192)
+    max_num_batched_tokens: int = 512      # prefill chunk budget per step
+    default_max_tokens: int = 256
+    tq_seed: int = 0
+    kernels: str = "auto"                  # auto | reference | cpu
+    kernel_cache_dir: str | None = None
+    num_threads: int | None = None
+    limits: SamplingLimits = field(default_factory=SamplingLimits)
+
+    @classmethod
+    def from_params(cls, params: dict[str, str], base_dir: str | None = None) -> "EngineConfig":
+        """From string parameters (Triton config.pbtxt); unknown names are an error naming them."""
+        known = {f.name for f in fields(cls)} - {"limits"}
+        limit_names = {f.name for f in fields(SamplingLimits)}
+        kwargs, limits = {}, {}
+        for key, raw in params.items():
+            value = raw.strip() if isinstance(raw, str) else raw
+            if key in limit_names:
+                limits[key] = _to_int(key, value)
+            elif key in known:
+                kwargs[key] = value
+            else:
+                raise ValueError(f"parameter {key!r} is not known (known: {', '.join(sorted(known | limit_names))})")
+        for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens", "tq_seed",
+                    "max_model_len", "num_threads"):
+            if key in kwargs and kwargs[key] not in (None, ""):
+                kwargs[key] = _to_int(key, kwargs[key])
+            elif key in kwargs:
+                kwargs.pop(key)
+        for key in ("tokenizer", "kernel_cache_dir"):
+            if kwargs.get(key) == "":
+                kwargs.pop(key)
+        cfg = cls(**kwargs, limits=SamplingLimits(**limits))
+        if base_dir is not None:
+            cfg.checkpoint = _resolve(cfg.checkpoint, base_dir)
+            if cfg.tokenizer:
+                cfg.tokenizer = _resolve(cfg.tokenizer, base_dir)
+        return cfg.validate()
+
+    def validate(self) -> "EngineConfig":
+        if not self.checkpoint:
+            raise ValueError("checkpoint: no checkpoint folder configured")
+        if self.kv_cache not in KV_CACHE_KINDS:
+            raise ValueError(f"kv_cache: {self.kv_cache!r} is not one of {', '.join(KV_CACHE_KINDS)}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.page_size > 1024:
+            raise ValueError(f"page_size: at most 1024, got {self.page_size}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len: must be > 1, got {self.max_model_len}")
+        if self.kernels not in ("auto", "reference", "cpu"):
+            raise ValueError(f"kernels: {self.kernels!r} is not one of auto, reference, cpu")
+        parse_memory_budget(self.kv_cache_memory)
+        return self
+
+
+def _to_int(name: str, value) -> int:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{name}: {value!r} is not an integer") from None
+
+
+def _resolve(path: str, base_dir: str) -> str:
+    path = os.path.expanduser(path)
+    return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))

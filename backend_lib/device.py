@@ -1,0 +1,69 @@
+"""Device selection (cpu | cuda | npu | auto) and free-memory queries; torch_npu only when asked for."""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+DEVICES = ("auto", "cpu", "cuda", "npu")
+
+
+def _npu_available() -> bool:
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        return False
+    return hasattr(torch, "npu") and torch.npu.is_available()
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """'auto' picks cuda, else npu (if torch_npu is installed), else cpu; 'cuda:1' style indices pass through."""
+    name = (name or "auto").strip().lower()
+    kind, _, index = name.partition(":")
+    if kind not in DEVICES:
+        raise ValueError(f"device: {name!r} is not one of {', '.join(DEVICES)}")
+    if kind == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if importlib.util.find_spec("torch_npu") is not None and _npu_available():
+            return torch.device("npu")
+        return torch.device("cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but torch.cuda.is_available() is False")
+    if kind == "npu" and not _npu_available():
+        raise ValueError("device: 'npu' was asked for but torch_npu is not installed or no NPU is visible")
+    return torch.device(name)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory that can still be allocated on the device (MemAvailable for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "npu":
+        return torch.npu.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def parse_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        dtype = name
+    else:
+        table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+                 "fp32": torch.float32, "float": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+                 "half": torch.float16}
+        if name not in table:
+            raise ValueError(f"dtype: {name!r} is not one of bfloat16, float32, float16")
+        dtype = table[name]
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError("dtype: float16 is not supported on the CPU; use bfloat16 or float32")
+    return dtype

@@ -1,0 +1,108 @@
+"""Drives an LLMEngine from a background thread; requests come and go from any thread.
+
+submit() validates at once (a bad request raises RequestError in the caller's thread and never
+reaches the engine); accepted requests join the running batch at the next step. Each request's
+outputs go to its callback, called from the engine thread: callbacks must only hand the output
+over (e.g. put it on a queue), never block.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Callable
+
+from ..sampling.params import SamplingParams
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, name: str = "engine-loop"):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: deque = deque()
+        self._callbacks: dict[str, Callback] = {}
+        self._stopping = False
+        self.step_count = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> None:
+        self.engine.check_request(prompt_ids, params)
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("engine is shutting down")
+            self._inbox.append(("add", request_id, prompt_ids, params, callback))
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    def num_pending(self) -> int:
+        with self._cv:
+            return sum(1 for item in self._inbox if item[0] == "add")
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops taking requests, cancels what is left, and joins the engine thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # ----- engine thread ---------------------------------------------------------------------------
+    def _deliver(self, out: RequestOutput) -> None:
+        cb = self._callbacks.get(out.request_id)
+        if out.finished:
+            self._callbacks.pop(out.request_id, None)
+        if cb is None:
+            return
+        try:
+            cb(out)
+        except Exception:
+            log.exception("output callback of request %s failed", out.request_id)
+
+    def _drain_inbox(self) -> None:
+        with self._cv:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for item in items:
+            if item[0] == "add":
+                _, rid, ids, params, cb = item
+                self._callbacks[rid] = cb
+                try:
+                    self.engine.add_request(rid, ids, params)
+                except Exception as exc:
+                    self._deliver(RequestOutput(rid, finished=True, finish_reason="error", error=str(exc)))
+            else:
+                out = self.engine.abort(item[1])
+                if out is not None:
+                    self._deliver(out)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self.engine.has_unfinished() and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    break
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # scheduler-level fault: fail everything in flight, keep serving
+                log.exception("engine step raised; failing all in-flight requests")
+                outputs = self.engine.abort_all("error", f"engine fault: {exc}")
+            self.step_count += 1
+            for out in outputs:
+                self._deliver(out)
+        self._drain_inbox()
+        for out in self.engine.abort_all("cancelled"):
+            self._deliver(out)

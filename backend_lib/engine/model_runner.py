@@ -1,0 +1,72 @@
+"""Turns a scheduled step into tensors, runs the model and samples the sequences that reached their end."""
+from __future__ import annotations
+
+import torch
+
+from ..kv_cache.metadata import AttentionMetadata
+from ..sampling.sampler import Sample, Sampler
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache, page_size: int, device: torch.device):
+        self.model, self.kv_cache = model, kv_cache
+        self.page_size, self.device = page_size, device
+        self.sampler = Sampler()
+
+    def prepare(self, plan: list[tuple[Sequence, int]]):
+        S = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl, lens, tables, sample_rows, sample_seqs = [0], [], [], [], []
+        for seq, n in plan:
+            start = seq.num_computed
+            ids.extend(seq.tokens[start:start + n])
+            positions.extend(range(start, start + n))
+            bt = seq.block_table
+            slots.extend(bt[p // S] * S + p % S for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            lens.append(start + n)
+            tables.append(bt)
+            if start + n == seq.num_tokens:
+                sample_rows.append(qsl[-1] - 1)
+                sample_seqs.append(seq)
+        width = max(len(t) for t in tables)
+        block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
+        for b, t in enumerate(tables):
+            block_tables[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=block_tables.to(dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        )
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
+                meta, sample_rows, sample_seqs)
+
+    @torch.inference_mode()
+    def execute(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sample]]:
+        input_ids, positions, meta, rows, seqs = self.prepare(plan)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if not seqs:
+            return []
+        logits = self.model.logits(hidden[rows])
+        samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
+        return list(zip(seqs, samples))
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, seq: Sequence, chunk: int) -> list[float | None]:
+        """Log-probability of every token given those before it (first entry None), chunk by chunk."""
+        out: list[float | None] = [None]
+        while seq.num_pending > 0:
+            n = min(chunk, seq.num_pending)
+            input_ids, positions, meta, _, _ = self.prepare([(seq, n)])
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            logp = torch.log_softmax(self.model.logits(hidden).float(), dim=-1).cpu()
+            start = seq.num_computed
+            nxt = seq.tokens[start + 1:start + n + 1]
+            out.extend(logp[i, t].item() for i, t in enumerate(nxt))
+            seq.num_computed += n
+        return out

@@ -1,0 +1,63 @@
+// Shared helpers of the CPU kernels: bf16 <-> fp32 and the element types the kernels take.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace qk {
+
+inline float bf16_bits_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Round-to-nearest-even fp32 -> bf16, as torch does (NaN kept quiet).
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T> inline float to_f(T v);
+template <> inline float to_f<float>(float v) { return v; }
+template <> inline float to_f<c10::BFloat16>(c10::BFloat16 v) { return bf16_bits_to_float(v.x); }
+
+template <typename T> inline T from_f(float v);
+template <> inline float from_f<float>(float v) { return v; }
+template <> inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
+  c10::BFloat16 r;
+  r.x = float_to_bf16_bits(v);
+  return r;
+}
+
+inline void check_float_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+              name, " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+}  // namespace qk
+
+// Dispatch a lambda over float / bfloat16 with scalar_t bound.
+#define QK_DISPATCH_FLOAT(TYPE, NAME, ...)                                   \
+  [&] {                                                                      \
+    if ((TYPE) == at::kFloat) {                                              \
+      using scalar_t = float;                                                \
+      return __VA_ARGS__();                                                  \
+    } else if ((TYPE) == at::kBFloat16) {                                    \
+      using scalar_t = c10::BFloat16;                                        \
+      return __VA_ARGS__();                                                  \
+    }                                                                        \
+    TORCH_CHECK(false, NAME, ": unsupported dtype ", (TYPE));               \
+  }()

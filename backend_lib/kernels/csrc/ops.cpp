@@ -1,0 +1,22 @@
+// Registers the CPU kernels as torch operators under torch.ops.qwen3_cpu.
+#include <torch/library.h>
+#include "common.h"
+
+namespace qk {
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w, c10::optional<at::ScalarType> out_dtype);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
+                                                 double eps);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale);
+}  // namespace qk
+
+TORCH_LIBRARY(qwen3_cpu, m) {
+  m.def("float_linear(Tensor x, Tensor w, ScalarType? out_dtype=None) -> Tensor", &qk::float_linear);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &qk::rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)", &qk::add_rms_norm);
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
+        "Tensor seq_lens, float scale) -> Tensor",
+        &qk::paged_attention);
+}

@@ -1,0 +1,142 @@
+"""Pure-PyTorch reference kernels: correct on any device, the yardstick for every optimized kernel.
+
+Shapes used throughout (T = tokens in the step, B = sequences in the step):
+  hidden x            [T, K]
+  q / k / v           [T, H, D] / [T, KVH, D] / [T, KVH, D]
+  dense KV cache      [num_pages, KVH, page_size, D] per layer, K and V separately
+  block_tables        [B, max_pages] int32 (page ids of each sequence, padded)
+  query_start_loc     [B + 1] int32 (row offsets of each sequence's queries in q)
+  seq_lens            [B] int32 (tokens in the cache for the sequence after this step)
+  slot_mapping        [T] int64 (page * page_size + offset where each new K/V row goes)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Qwen3 computes it: normalize in fp32, round to x.dtype, then scale by weight."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """h = x + residual (in x.dtype); returns (rms_norm(h), h)."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
+def rotary_cos_sin(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
+    """[max_positions, head_dim] fp32 table: cos of the half frequencies, then sin (rotate-half RoPE)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float().to(device) / head_dim))
+    t = torch.arange(max_positions, dtype=torch.int64, device=device).float()
+    freqs = torch.outer(t, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+    """Rotate-half RoPE on q [T, H, D] and k [T, KVH, D] at the given positions (fp32 math)."""
+    half = q.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions.long())
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused [gate | up] projection: silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def quantize_per_token(x: torch.Tensor):
+    """Dynamic symmetric int8 per row: s = max|x| / 127, q = clamp(round_half_even(x / s), -128, 127)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = amax / 127.0
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(xf / scale), -128, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_matmul(q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] x int8 [N, K]^T -> int32 [M, N], exact int32 accumulation."""
+    if q.device.type == "cpu":
+        return torch._int_mm(q, w_q.t())
+    return (q.to(torch.int32) @ w_q.to(torch.int32).t())
+
+
+def a8w8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """y = x W^T with int8 per-token activations and int8 per-channel weights (w_scale fp32 [N])."""
+    shape = x.shape
+    q, s = quantize_per_token(x.reshape(-1, shape[-1]))
+    acc = int8_matmul(q, w_q)
+    y = acc.float() * s * w_scale.float()[None, :]
+    return y.to(x.dtype).reshape(*shape[:-1], w_q.shape[0])
+
+
+def float_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x W^T accumulated in fp32; output in out_dtype (default x.dtype)."""
+    y = F.linear(x.float(), w.float())
+    return y.to(out_dtype or x.dtype)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Scatter new K/V rows [T, KVH, D] into the paged caches at slot_mapping."""
+    num_pages, kvh, page_size, d = k_cache.shape
+    pages = slot_mapping // page_size
+    offs = slot_mapping % page_size
+    k_cache[pages, :, offs] = k.to(k_cache.dtype)
+    v_cache[pages, :, offs] = v.to(v_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` rows of one sequence from a paged cache, as [KVH, length, D]."""
+    page_size = cache.shape[2]
+    n_pages = (length + page_size - 1) // page_size
+    pages = cache[block_table[:n_pages].long()]            # [n, KVH, S, D]
+    ctx = pages.permute(1, 0, 2, 3).reshape(cache.shape[1], n_pages * page_size, cache.shape[3])
+    return ctx[:, :length]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """Causal GQA attention for the last q.shape[0] positions of a sequence of seq_len tokens.
+
+    q [Q, H, D]; k, v [KVH, seq_len, D] (any float dtype). Returns [Q, H, D] in fp32.
+    """
+    nq, h, d = q.shape
+    kvh = k.shape[0]
+    group = h // kvh
+    qf = q.float().permute(1, 0, 2)                        # [H, Q, D]
+    kf = k.float().repeat_interleave(group, dim=0)         # [H, L, D]
+    vf = v.float().repeat_interleave(group, dim=0)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Q, L]
+    q_pos = torch.arange(seq_len - nq, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).permute(1, 0, 2)        # [Q, H, D]
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+    """Causal attention of each sequence's new queries over its whole paged context (prefill and decode)."""
+    out = torch.empty_like(q)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        lo, hi = qsl[b], qsl[b + 1]
+        if hi == lo:
+            continue
+        k = gather_context(k_cache, block_tables[b], seq_len)
+        v = gather_context(v_cache, block_tables[b], seq_len)
+        out[lo:hi] = attend(q[lo:hi], k, v, seq_len, scale).to(q.dtype)
+    return out

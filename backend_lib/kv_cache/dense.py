@@ -1,0 +1,30 @@
+"""The unquantized paged KV cache: K and V rows in the model dtype, [pages, kv_heads, page_size, head_dim]."""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import Kernels
+from .metadata import AttentionMetadata
+
+
+class DenseKVCache:
+    kind = "bf16"
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, kernels: Kernels):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.kernels = kernels
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        self.kernels.write_kv(k, v, self.k[layer], self.v[layer], meta.slot_mapping)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.kernels.paged_attention(q, self.k[layer], self.v[layer], meta.block_tables,
+                                            meta.query_start_loc, meta.seq_lens, scale)

@@ -1,0 +1,61 @@
+"""Linear layers: float weights, or A8W8 (int8 per-channel weights, dynamic int8 per-token activations).
+
+Projections that read the same input (q/k/v, gate/up) are fused into one matrix at load; this is
+exact for A8W8 as well, since every output row keeps its own weight scale.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..checkpoint import CheckpointError, QuantScheme, WeightStore
+from ..kernels import Kernels
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class FloatLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, kernels: Kernels):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.kernels.float_linear(x, self.weight, out_dtype)
+
+
+class A8W8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, kernels: Kernels):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)               # int8 [N, K]
+        self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)   # fp32 [N]
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.a8w8_linear(x, self.weight, self.weight_scale)
+
+
+def load_linear(store: WeightStore, names: list[str], out_features: list[int], in_features: int,
+                scheme: QuantScheme | None, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> nn.Module:
+    """Loads the Linear modules `names` (HF module names) fused along the output dimension."""
+    quantized = [scheme is not None and scheme.is_quantized(n) for n in names]
+    if any(quantized) != all(quantized):
+        raise CheckpointError(f"modules {names} must all be quantized or all unquantized to be fused")
+    if quantized[0]:
+        weights, scales = [], []
+        for name, n_out in zip(names, out_features):
+            weights.append(store.get(f"{name}.weight", (n_out, in_features), (torch.int8,)))
+            scale = store.get(f"{name}.weight_scale", None, FLOAT_DTYPES)
+            if tuple(scale.shape) not in ((n_out, 1), (n_out,)):
+                raise CheckpointError(
+                    f"tensor '{name}.weight_scale' has shape {list(scale.shape)}, expected [{n_out}, 1]")
+            if store.has(f"{name}.weight_zero_point") and bool(store.get(f"{name}.weight_zero_point").any()):
+                raise CheckpointError(f"tensor '{name}.weight_zero_point' is non-zero: asymmetric weights "
+                                      "are not supported")
+            scales.append(scale.reshape(n_out).float())
+        w = torch.cat(weights, 0).contiguous().to(device)
+        s = torch.cat(scales, 0).contiguous().to(device)
+        return A8W8Linear(w, s, kernels)
+    weights = [store.get(f"{name}.weight", (n_out, in_features), FLOAT_DTYPES)
+               for name, n_out in zip(names, out_features)]
+    return FloatLinear(torch.cat(weights, 0).to(device=device, dtype=dtype).contiguous(), kernels)

@@ -1,0 +1,112 @@
+"""Qwen3 dense decoder (pre-norm, GQA, q/k-norm, rotate-half RoPE, SwiGLU) over backend_lib.kernels.
+
+Tokens of all sequences in a step are flattened into one [T, hidden] batch; the paged KV cache and
+AttentionMetadata say which sequence each token belongs to.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from ..checkpoint import ModelConfig, QuantScheme, WeightStore
+from ..kernels import Kernels
+from ..kernels.reference import rotary_cos_sin
+from ..layers.attention import Qwen3Attention
+from ..layers.linear import FLOAT_DTYPES, FloatLinear, load_linear
+from ..layers.mlp import Qwen3MLP
+
+log = logging.getLogger(__name__)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, attn: Qwen3Attention, mlp: Qwen3MLP, input_norm, post_norm, eps: float, kernels: Kernels):
+        super().__init__()
+        self.self_attn, self.mlp = attn, mlp
+        self.input_layernorm = nn.Parameter(input_norm, requires_grad=False)
+        self.post_attention_layernorm = nn.Parameter(post_norm, requires_grad=False)
+        self.eps, self.kernels = eps, kernels
+
+    def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
+        if residual is None:
+            residual = x
+            h = self.kernels.rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            h, residual = self.kernels.add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        h = self.self_attn(h, positions, cos_sin, kv_cache, meta)
+        h, residual = self.kernels.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(h), residual
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[Qwen3DecoderLayer], norm: torch.Tensor,
+                 lm_head: FloatLinear, max_positions: int, kernels: Kernels):
+        super().__init__()
+        self.cfg, self.kernels = cfg, kernels
+        self.embed_tokens = nn.Parameter(embed, requires_grad=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.Parameter(norm, requires_grad=False)
+        self.lm_head = lm_head
+        self.register_buffer("cos_sin", rotary_cos_sin(cfg.head_dim, max_positions, cfg.rope_theta, embed.device),
+                             persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of the step's tokens."""
+        x = self.embed_tokens.index_select(0, input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta)
+        h, _ = self.kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [n, vocab] of the given hidden rows."""
+        return self.lm_head(hidden, torch.float32)
+
+    @classmethod
+    def from_checkpoint(cls, store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
+                        device: torch.device, kernels: Kernels, max_positions: int) -> "Qwen3ForCausalLM":
+        t0 = time.time()
+        hid, d = cfg.hidden_size, cfg.head_dim
+        h, kvh, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+
+        def dense(name, shape):
+            return store.get(name, shape, FLOAT_DTYPES).to(device=device, dtype=dtype).contiguous()
+
+        embed = dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}"
+            qkv = load_linear(store, [f"{p}.self_attn.{n}_proj" for n in "qkv"], [h * d, kvh * d, kvh * d], hid,
+                              scheme, dtype, device, kernels)
+            o = load_linear(store, [f"{p}.self_attn.o_proj"], [hid], h * d, scheme, dtype, device, kernels)
+            attn = Qwen3Attention(i, qkv, o, dense(f"{p}.self_attn.q_norm.weight", (d,)),
+                                  dense(f"{p}.self_attn.k_norm.weight", (d,)), h, kvh, d, cfg.rms_norm_eps, kernels)
+            gate_up = load_linear(store, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [inter, inter], hid,
+                                  scheme, dtype, device, kernels)
+            down = load_linear(store, [f"{p}.mlp.down_proj"], [hid], inter, scheme, dtype, device, kernels)
+            layers.append(Qwen3DecoderLayer(attn, Qwen3MLP(gate_up, down, kernels),
+                                            dense(f"{p}.input_layernorm.weight", (hid,)),
+                                            dense(f"{p}.post_attention_layernorm.weight", (hid,)),
+                                            cfg.rms_norm_eps, kernels))
+            log.info("loading weights: layer %d/%d (%.1fs)", i + 1, cfg.num_layers, time.time() - t0)
+        norm = dense("model.norm.weight", (hid,))
+        if store.has("lm_head.weight"):
+            if scheme is not None and scheme.is_quantized("lm_head"):
+                raise ValueError("quantization_config: a quantized lm_head is not supported; add it to 'ignore'")
+            lm_head = FloatLinear(dense("lm_head.weight", (cfg.vocab_size, hid)), kernels)
+        elif cfg.tie_word_embeddings:
+            lm_head = FloatLinear(embed, kernels)
+        else:
+            from ..checkpoint import CheckpointError
+            raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
+        model = cls(cfg, embed, layers, norm, lm_head, max_positions, kernels)
+        log.info("loaded %d layers (%s weights, %s compute) in %.1fs", cfg.num_layers,
+                 "A8W8" if scheme else "float", dtype, time.time() - t0)
+        return model

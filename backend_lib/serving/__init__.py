@@ -1,0 +1,1 @@
+"""Triton glue: the `tritonserver` launcher, request parsing, response building, metrics, the model class."""

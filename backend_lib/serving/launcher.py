@@ -1,0 +1,99 @@
+"""`tritonserver` for this venv: a real one on PATH if there is one, else the server from nvidia-pytriton.
+
+With the venv active, `tritonserver --model-repository model_repository [flags]` behaves as in an
+NGC container: every flag passes through. Without a system tritonserver it runs the 2.51 server
+shipped in the nvidia-pytriton wheel, with a backend directory assembled from that wheel (the
+Python backend plus the stub built for this Python version) and this venv first on PATH, so the
+stub imports the venv's packages (torch, backend_lib).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+STUB = "triton_python_backend_stub"
+
+
+def _is_self(path: Path) -> bool:
+    try:
+        return path.resolve() == Path(sys.argv[0]).resolve() or path.resolve().parent == Path(sys.prefix, "bin").resolve()
+    except OSError:
+        return False
+
+
+def find_system_tritonserver() -> Path | None:
+    """The first `tritonserver` on PATH that is not this wrapper (QWEN3_TRITONSERVER overrides)."""
+    forced = os.environ.get("QWEN3_TRITONSERVER")
+    if forced:
+        return Path(forced) if forced != "bundled" else None
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        cand = Path(entry or ".") / "tritonserver"
+        if cand.is_file() and os.access(cand, os.X_OK) and not _is_self(cand):
+            head = cand.read_bytes()[:4]
+            if head == b"\x7fELF":   # a real server binary, not another Python wrapper
+                return cand
+    return None
+
+
+def pytriton_paths() -> tuple[Path, Path, Path]:
+    """(tritonserver binary, backends dir of the wheel, nvidia_pytriton.libs)."""
+    import pytriton
+
+    root = Path(pytriton.__file__).parent
+    dist = root / "tritonserver"
+    libs = root.parent / "nvidia_pytriton.libs"
+    if not (dist / "bin" / "tritonserver").is_file():
+        raise SystemExit(f"tritonserver: {dist / 'bin' / 'tritonserver'} not found in the nvidia-pytriton wheel")
+    return dist / "bin" / "tritonserver", dist / "backends", libs
+
+
+def assemble_backend_dir() -> Path:
+    """backends/python from the wheel plus the stub for this Python, in a folder of the venv (made once)."""
+    _, backends, _ = pytriton_paths()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = backends.parent / "python_backend_stubs" / version / STUB
+    if not stub.is_file():
+        raise SystemExit(f"tritonserver: nvidia-pytriton ships no Python backend stub for Python {version}")
+    key = hashlib.sha256(f"{backends}:{stub.stat().st_size}:{stub.stat().st_mtime}".encode()).hexdigest()[:12]
+    target = Path(sys.prefix) / "var" / "qwen3_triton" / f"backends-{key}"
+    if not (target / "python" / STUB).is_file():
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(backends, tmp, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(stub, tmp / "python" / STUB)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def bundled_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    binary, _, libs = pytriton_paths()
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    venv_bin = str(Path(sys.prefix) / "bin")
+    env["PATH"] = os.pathsep.join([venv_bin] + [p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin])
+    if sys.prefix != sys.base_prefix:
+        env.setdefault("VIRTUAL_ENV", sys.prefix)
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+    if not any(a == "--backend-directory" or a.startswith("--backend-directory=") for a in args):
+        args = [f"--backend-directory={assemble_backend_dir()}"] + args
+    return [str(binary)] + args, env
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    system = find_system_tritonserver()
+    if system is not None:
+        os.execv(str(system), [str(system)] + args)
+    cmd, env = bundled_command(args)
+    os.execve(cmd[0], cmd, env)
+
+
+if __name__ == "__main__":
+    main()

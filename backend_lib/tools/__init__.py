@@ -1,0 +1,1 @@
+"""Command-line tools: demo-checkpoint builder, KV-cache quality report."""

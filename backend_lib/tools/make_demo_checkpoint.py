@@ -1,0 +1,143 @@
+"""Builds a demo Qwen3 checkpoint: random weights in a real Qwen3 shape, written in the real formats.
+
+    python -m backend_lib.tools.make_demo_checkpoint OUT [--size tiny|0.6b] [--format bf16|a8w8] [--seed N]
+
+bf16 is a plain transformers safetensors checkpoint; a8w8 goes through compressed-tensors
+(W8A8 preset: int8 per-channel weights, dynamic int8 per-token activations, lm_head ignored) exactly
+as llmcompressor writes the public *-quantized.w8a8 checkpoints. Both carry the real Qwen vocabulary
+with Qwen3's special tokens and chat template, and Qwen3's generation_config.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("make_demo_checkpoint")
+
+SIZES = {
+    # Qwen3-0.6B's exact shapes.
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
+    # Small enough for tests, same structure (GQA, q/k-norm, tied embeddings, real vocabulary).
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                 # wider random weights than transformers' 0.02, so greedy text does not collapse into one
+                 # repeated token and token-for-token comparisons mean something
+                 initializer_range=0.2),
+}
+GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+                     "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
+def qwen3_config(size: str, **overrides):
+    from transformers import Qwen3Config
+
+    fields = dict(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True,
+                  bos_token_id=151643, eos_token_id=151645, hidden_act="silu", attention_bias=False,
+                  use_sliding_window=False)
+    fields.update(SIZES[size])
+    fields.update(overrides)
+    return Qwen3Config(**fields)
+
+
+def random_model(config, seed: int):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    t0 = time.time()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    model.eval()
+    log.info("initialized %.0fM random parameters in %.1fs", sum(p.numel() for p in model.parameters()) / 1e6,
+             time.time() - t0)
+    return model
+
+
+def quantize_a8w8(model) -> object:
+    """Applies compressed-tensors' W8A8 scheme with per-channel absmax scales; returns the compressor."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus,
+                                                 apply_quantization_config, preset_name_to_scheme)
+
+    qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W8A8", ["Linear"])}, ignore=["lm_head"])
+    apply_quantization_config(model, qc)
+    with torch.no_grad():
+        for _, module in model.named_modules():
+            if hasattr(module, "weight_scale"):
+                w = module.weight.float()
+                scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127.5
+                module.weight_scale.copy_(scale.to(module.weight_scale.dtype))
+                module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="int-quantized")
+    compressor.compress_model(model)
+    return compressor
+
+
+def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0, overwrite: bool = False,
+          **config_overrides) -> Path:
+    from .qwen_vocab import write_qwen3_tokenizer
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty (use --overwrite)")
+        shutil.rmtree(out)
+    t0 = time.time()
+    log.info("building a %s %s demo checkpoint in %s", size, fmt, out)
+    config = qwen3_config(size, **config_overrides)
+    model = random_model(config, seed)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent if out.parent.exists() else None))
+    try:
+        if fmt == "a8w8":
+            compressor = quantize_a8w8(model)
+            model.save_pretrained(tmp)
+            compressor.update_config(tmp)
+        elif fmt == "bf16":
+            model.save_pretrained(tmp)
+        else:
+            raise ValueError(f"--format: {fmt!r} is not one of bf16, a8w8")
+        (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
+        write_qwen3_tokenizer(tmp, config.max_position_embeddings)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            out.rmdir()
+        tmp.chmod(0o755)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("demo checkpoint ready in %s (%.1fs)", out, time.time() - t0)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--format", choices=["bf16", "a8w8"], default="bf16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overwrite", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        build(args.out, args.size, args.format, args.seed, args.overwrite)
+    except (FileExistsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

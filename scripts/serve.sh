@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One command from a fresh clone to a running server: sets up .venv, builds the demo checkpoints
+# when none is configured (A8W8 for qwen3_a8w8, bf16 for qwen3_tq), and starts tritonserver with
+# every model of model_repository/ on localhost. Extra arguments go to tritonserver.
+#   DEMO_SIZE=tiny ./scripts/serve.sh     # a seconds-to-build toy model instead of the Qwen3-0.6B shape
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+# shellcheck disable=SC1091
+. .venv/bin/activate
+SIZE="${DEMO_SIZE:-0.6b}"
+build_demo() {  # $1 = format, $2 = env var that would point elsewhere
+    local dir="demo_checkpoints/qwen3-${SIZE}-$1"
+    if [ -n "${!2:-}" ]; then
+        echo "[serve] $2=${!2}"
+        return
+    fi
+    if [ ! -f "$dir/config.json" ]; then
+        echo "[serve] building the $SIZE $1 demo checkpoint in $dir (random weights, real Qwen vocabulary)"
+        python -m backend_lib.tools.make_demo_checkpoint "$dir" --size "$SIZE" --format "$1" --overwrite
+    fi
+    export "$2=$PWD/$dir"
+}
+build_demo a8w8 QWEN3_A8W8_CHECKPOINT
+build_demo bf16 QWEN3_TQ_CHECKPOINT
+HTTP_PORT="${HTTP_PORT:-8000}"; GRPC_PORT="${GRPC_PORT:-8001}"; METRICS_PORT="${METRICS_PORT:-8002}"
+cat <<MSG
+[serve] starting tritonserver (HTTP :$HTTP_PORT, gRPC :$GRPC_PORT, metrics :$METRICS_PORT). Once the models are READY,
+        in another terminal:
+          . .venv/bin/activate
+          python -m client.stream --model qwen3_a8w8 --prompt "Hello" --url localhost:$GRPC_PORT
+          curl -N -X POST localhost:$HTTP_PORT/v2/models/qwen3_tq/generate_stream -d '{"text_input": "Hello", "max_tokens": 32, "stream": true}'
+MSG
+exec tritonserver --model-repository model_repository --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
+    --metrics-port "$METRICS_PORT" "$@"

@@ -1,0 +1,81 @@
+"""Shared fixtures: small Qwen3 checkpoints in the real formats, built once per test session."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+class CheckpointFactory:
+    def __init__(self, root: Path):
+        self.root = root
+        self._built: dict[str, Path] = {}
+
+    def get(self, name: str, fmt: str = "bf16", size: str = "tiny", seed: int = 0, **overrides) -> Path:
+        if name not in self._built:
+            from backend_lib.tools.make_demo_checkpoint import build
+
+            self._built[name] = build(self.root / name, size, fmt, seed, **overrides)
+        return self._built[name]
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory) -> CheckpointFactory:
+    return CheckpointFactory(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def bf16_ckpt(ckpts) -> Path:
+    return ckpts.get("tiny-bf16", "bf16")
+
+
+@pytest.fixture(scope="session")
+def a8w8_ckpt(ckpts) -> Path:
+    return ckpts.get("tiny-a8w8", "a8w8")
+
+
+def make_engine(checkpoint, **kw):
+    from backend_lib.config import EngineConfig
+    from backend_lib.engine import LLMEngine
+
+    opts = dict(dtype="float32", page_size=16, kv_cache_memory="64MiB", max_model_len=1024, max_num_seqs=8,
+                max_num_batched_tokens=64)
+    opts.update(kw)
+    return LLMEngine(EngineConfig(checkpoint=str(checkpoint), **opts))
+
+
+@pytest.fixture(scope="session")
+def bf16_engine(bf16_ckpt):
+    return make_engine(bf16_ckpt)
+
+
+@pytest.fixture(scope="session")
+def a8w8_engine(a8w8_ckpt):
+    return make_engine(a8w8_ckpt, dtype="bfloat16")
+
+
+SERVER_ENGINE = {"page_size": "16", "kv_cache_memory": "64MiB", "max_model_len": "1024", "max_num_seqs": "16",
+                 "max_num_batched_tokens": "64", "dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
+    """The real tritonserver serving every model of model_repository/ on the tiny test checkpoints."""
+    from triton_server import TritonServer, make_repository
+
+    root = tmp_path_factory.mktemp("triton")
+    repo = make_repository(root / "models", {
+        "qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt)},
+        "qwen3_tq": {**SERVER_ENGINE, "checkpoint": str(bf16_ckpt)},
+    })
+    server = TritonServer(repo, root / "tritonserver.log").start()
+    yield server
+    server.stop()

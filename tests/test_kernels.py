@@ -1,0 +1,145 @@
+"""Every optimized kernel against its pure-PyTorch reference, and batch invariance."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend_lib.kernels import REFERENCE, get_kernels
+from backend_lib.kernels import reference as ref
+
+CPU = get_kernels("cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_cpu_kernels_are_compiled():
+    assert CPU.name == "cpu", "the C++ CPU kernels did not build; the suite would only test the reference"
+
+
+@pytest.mark.parametrize("xd", DTYPES)
+@pytest.mark.parametrize("wd", DTYPES)
+def test_float_linear_matches_reference_and_is_batch_invariant(xd, wd):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 1000, generator=g).to(xd)   # K not a multiple of 16 or 32: exercises the tails
+    w = torch.randn(259, 1000, generator=g).to(wd)
+    y = CPU.float_linear(x, w, torch.float32)
+    r = ref.float_linear(x, w, torch.float32)
+    torch.testing.assert_close(y, r, rtol=1e-4, atol=2e-3)
+    for m in (1, 2, 3, 5, 17):
+        assert torch.equal(CPU.float_linear(x[:m], w, torch.float32), y[:m])
+    assert torch.equal(CPU.float_linear(x[9:10], w, torch.float32)[0], y[9])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_fused_add(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 3, 128, generator=g).to(dtype)
+    r = torch.randn(9, 3, 128, generator=g).to(dtype)
+    w = torch.randn(128, generator=g).to(dtype)
+    torch.testing.assert_close(CPU.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    out, h = CPU.add_rms_norm(x, r, w, 1e-6)
+    rout, rh = ref.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h, rh)
+    torch.testing.assert_close(out, rout, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
+def _paged_setup(dtype, seq_lens, q_lens, page_size=16, kvh=2, h=8, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n_pages = sum(-(-n // page_size) for n in seq_lens) + 3
+    k_cache = torch.randn(n_pages, kvh, page_size, d, generator=g).to(dtype)
+    v_cache = torch.randn(n_pages, kvh, page_size, d, generator=g).to(dtype)
+    perm = torch.randperm(n_pages, generator=g).tolist()  # pages scattered, not contiguous
+    tables, qsl = [], [0]
+    for n, q in zip(seq_lens, q_lens):
+        k = -(-n // page_size)
+        tables.append(perm[:k])
+        perm = perm[k:]
+        qsl.append(qsl[-1] + q)
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t)
+    q = torch.randn(qsl[-1], h, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, bt, torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_prefill_and_decode_across_pages_with_gqa(dtype):
+    # sequence 0: decode at 50 tokens; 1: a prefill chunk of 20 on top of 13 cached; 2: whole prompt of 40
+    args = _paged_setup(dtype, seq_lens=[50, 33, 40], q_lens=[1, 20, 40])
+    out = CPU.paged_attention(*args, 0.125)
+    exp = ref.paged_attention(*args, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), exp.float(), rtol=tol, atol=tol)
+
+
+def test_paged_attention_row_is_identical_in_chunk_prefill_and_decode():
+    q, kc, vc, bt, _, _ = _paged_setup(torch.float32, seq_lens=[45], q_lens=[45])
+    whole = CPU.paged_attention(q, kc, vc, bt, torch.tensor([0, 45], dtype=torch.int32),
+                                torch.tensor([45], dtype=torch.int32), 0.1)
+    # the same rows computed as a chunk (rows 30..44) and as single decode steps
+    chunk = CPU.paged_attention(q[30:], kc, vc, bt, torch.tensor([0, 15], dtype=torch.int32),
+                                torch.tensor([45], dtype=torch.int32), 0.1)
+    assert torch.equal(chunk, whole[30:])
+    for pos in (0, 15, 16, 44):
+        one = CPU.paged_attention(q[pos:pos + 1], kc, vc, bt, torch.tensor([0, 1], dtype=torch.int32),
+                                  torch.tensor([pos + 1], dtype=torch.int32), 0.1)
+        assert torch.equal(one[0], whole[pos])
+
+
+def test_a8w8_linear_equals_independent_emulation_and_differs_from_weight_only():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(24, 256, generator=g) * torch.rand(24, 1, generator=g) * 4).to(torch.bfloat16)
+    x[5] = 0  # an all-zero row must not divide by zero
+    w = torch.randn(96, 256, generator=g) * 0.05
+    w_scale = w.abs().amax(1) / 127.5
+    w_q = torch.clamp(torch.round(w / w_scale[:, None]), -128, 127).to(torch.int8)
+    # independent emulation, written out longhand from the spec
+    xf = x.float()
+    a = xf.abs().max(dim=1).values
+    s = torch.where(a == 0, torch.ones_like(a), a / 127)
+    q_emul = torch.clamp(torch.round(xf / s[:, None]), -128, 127).to(torch.int8)
+    acc = (q_emul.long() @ w_q.long().t())                 # exact integer accumulation
+    y_emul = acc.double() * s.double()[:, None] * w_scale.double()[None, :]
+    for k in (CPU, REFERENCE):
+        q_k, s_k = k.quantize_per_token(x)
+        assert torch.equal(q_k, q_emul), "int8 activations must be identical"
+        y = k.a8w8_linear(x, w_q, w_scale)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.double(), y_emul.to(torch.bfloat16).double(), rtol=8e-3, atol=1e-6)
+        assert torch.all(y[5] == 0)
+    weight_only = ref.float_linear(x.float(), w_q.float() * w_scale[:, None]).to(torch.bfloat16)
+    y = CPU.a8w8_linear(x, w_q, w_scale)
+    assert (y.float() - weight_only.float()).abs().max() > 1e-3, "activation quantization had no effect"
+
+
+def test_a8w8_linear_is_batch_invariant():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(33, 512, generator=g).to(torch.bfloat16)
+    w_q = torch.randint(-127, 128, (300, 512), generator=g, dtype=torch.int8)
+    w_s = torch.rand(300, generator=g) * 0.01
+    full = CPU.a8w8_linear(x, w_q, w_s)
+    for m in (1, 4, 16):
+        assert torch.equal(CPU.a8w8_linear(x[:m], w_q, w_s), full[:m])
+
+
+def test_quantize_rounds_half_to_even_and_uses_minus_128_never():
+    x = torch.tensor([[127.0, 0.5, 1.5, -2.5, -127.0, 63.5]])
+    q, s = CPU.quantize_per_token(x)
+    assert s.item() == 1.0
+    assert q.tolist() == [[127, 0, 2, -2, -127, 64]]
+
+
+def test_rotary_matches_transformers_formula():
+    from backend_lib.kernels.reference import rotary_cos_sin
+    d, theta = 32, 1e6
+    cs = rotary_cos_sin(d, 64, theta)
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(5, 4, d, generator=g), torch.randn(5, 2, d, generator=g)
+    pos = torch.tensor([0, 1, 7, 31, 63])
+    rq, rk = CPU.rotary(q, k, pos, cs)
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
+    ang = pos[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    rot = lambda t: torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1)
+    torch.testing.assert_close(rq, q * cos + rot(q) * sin)
+    torch.testing.assert_close(rk, k * cos + rot(k) * sin)

@@ -1,0 +1,64 @@
+"""Sampling: parameter validation, filtering and penalties row by row."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend_lib.sampling import RequestError, SamplingLimits, SamplingParams, Sampler
+
+
+class FakeSeq:
+    def __init__(self, params, prompt=(), output=(), seed=0):
+        self.params, self.prompt_ids, self.output_ids = params, list(prompt), list(output)
+        self.min_tokens_blocked_ids = [0]
+        self.generator = torch.Generator().manual_seed(seed)
+
+
+def P(**kw):
+    return SamplingParams(**kw).validate(SamplingLimits(), 100)
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus():
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0] + [-9.0] * 96])
+    s = Sampler()
+    for seed in range(20):
+        assert s(logits, [FakeSeq(P(top_k=1), seed=seed)])[0].token_id == 1
+        t = s(logits, [FakeSeq(P(top_p=0.6), seed=seed)])[0].token_id
+        assert t in (1, 2)
+
+
+def test_greedy_respects_penalties_and_min_tokens():
+    logits = torch.tensor([[5.0, 4.0, 1.0] + [-9.0] * 97])
+    s = Sampler()
+    assert s(logits, [FakeSeq(P(temperature=0))])[0].token_id == 0
+    assert s(logits, [FakeSeq(P(temperature=0, min_tokens=2), output=[3])])[0].token_id == 1  # 0 is blocked
+    assert s(logits, [FakeSeq(P(temperature=0, repetition_penalty=2.0), prompt=[0])])[0].token_id == 1
+    assert s(logits, [FakeSeq(P(temperature=0, presence_penalty=1.5), output=[0])])[0].token_id == 1
+    assert s(logits, [FakeSeq(P(temperature=0, frequency_penalty=0.4), output=[0, 0, 0])])[0].token_id == 1
+
+
+def test_sampling_distribution_follows_temperature():
+    logits = torch.tensor([[1.0, 0.0] + [-30.0] * 98])
+    s = Sampler()
+    seq = FakeSeq(P(temperature=1.0), seed=7)
+    picks = [s(logits, [seq])[0].token_id for _ in range(2000)]
+    frac = picks.count(0) / len(picks)
+    assert abs(frac - torch.sigmoid(torch.tensor(1.0)).item()) < 0.04
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=10**6), "max_tokens"), (dict(max_tokens=1.5), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"), (dict(temperature="hot"), "temperature"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"), (dict(stop=[1, 2]), "stop"),
+    (dict(stop=["x" * 1000]), "stop"), (dict(stop_token_ids=[100]), "stop_token_ids"),
+    (dict(logprobs=50), "logprobs"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(presence_penalty=5), "presence_penalty"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_invalid_parameters_name_the_field(kw, field):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**kw).validate(SamplingLimits(), 100)
+
+
+def test_unknown_keys_are_named():
+    with pytest.raises(RequestError, match="'best_of'"):
+        SamplingParams.from_dict({"best_of": 2})

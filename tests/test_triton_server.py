@@ -1,0 +1,178 @@
+"""Through the real tritonserver: streaming, both dialects, concurrency, cancellation, HTTP, metrics."""
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from client.http_stream import generate_stream
+from client.stream import stream_generate
+from client.triton_inputs import build_inputs, is_final, response_text
+from conftest import ROOT, SERVER_ENGINE
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+def offline_generate(ckpt, prompt, max_tokens, dtype="bfloat16", kv_cache="bf16"):
+    proc = subprocess.run([sys.executable, "-m", "backend_lib.generate", "--checkpoint", str(ckpt), "--prompt", prompt,
+                           "--max-tokens", str(max_tokens), "--temperature", "0", "--ignore-eos", "--dtype", dtype,
+                           "--page-size", SERVER_ENGINE["page_size"], "--kv-cache", kv_cache, "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def collect(url, model, **request) -> list:
+    """All responses of one gRPC stream request, as (text, ids, final) tuples."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer(model, build_inputs(**request), enable_empty_final_response=True)
+    out = []
+    try:
+        while True:
+            r, e = results.get(timeout=120)
+            if e is not None:
+                out.append(("ERROR", str(e), True))
+                break
+            text, ids = response_text(r)
+            out.append((text, ids, is_final(r)))
+            if is_final(r):
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return out
+
+
+GREEDY = {"sampling_parameters": {"temperature": 0, "ignore_eos": True}}
+
+
+def test_models_are_ready(triton):
+    assert triton.model_ready("qwen3_a8w8") and triton.model_ready("qwen3_tq")
+
+
+@pytest.mark.parametrize("model, ckpt_fixture", [("qwen3_a8w8", "a8w8_ckpt"), ("qwen3_tq", "bf16_ckpt")])
+def test_streaming_gives_one_response_per_token_equal_to_offline_cli(triton, request, model, ckpt_fixture):
+    ckpt = request.getfixturevalue(ckpt_fixture)
+    expected = offline_generate(ckpt, PROMPT, 16)
+    responses = collect(triton.grpc_url, model, prompt=PROMPT, max_tokens=16, **GREEDY)
+    token_responses = [r for r in responses if r[1]]
+    assert all(len(ids) == 1 for _, ids, _ in token_responses)
+    assert len(token_responses) == 16
+    assert [i for _, ids, _ in token_responses for i in ids] == expected["output_ids"]
+    assert "".join(t for t, _, _ in responses) == expected["text"]
+    assert responses[-1][2]
+
+
+def test_non_streaming_gives_exactly_one_response_with_the_prompt(triton):
+    responses = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=8, stream=False, **GREEDY)
+    assert len(responses) == 1 and responses[0][2]
+    text, ids, _ = responses[0]
+    assert len(ids) == 8 and text.startswith(PROMPT)
+    streamed = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=8, **GREEDY)
+    assert text == PROMPT + "".join(t for t, _, _ in streamed)
+    excl = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=8, stream=False,
+                   exclude_input_in_output=True, **GREEDY)
+    assert excl[0][0] == "".join(t for t, _, _ in streamed)
+
+
+def test_both_dialects_agree(triton):
+    vllm = stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPT, sampling_parameters={
+        "max_tokens": 12, "temperature": 0.8, "top_k": 40, "seed": 7, "ignore_eos": True})
+    trt = stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPT, max_tokens=12, temperature=0.8, top_k=40, seed=7,
+                          sampling_parameters={"ignore_eos": True})
+    assert vllm["output_ids"] == trt["output_ids"] and len(trt["output_ids"]) == 12
+    # vLLM-backend clients send values as strings; scalar tensors win over the JSON
+    strings = stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPT, max_tokens=12, sampling_parameters={
+        "max_tokens": "3", "temperature": "0.8", "top_k": "40", "seed": "7", "ignore_eos": "true"})
+    assert strings["output_ids"] == vllm["output_ids"]
+
+
+def test_eight_concurrent_streams_equal_their_solo_runs(triton):
+    prompts = [f"{PROMPT} #{i}" + " more" * i for i in range(8)]
+    solo = [stream_generate(triton.grpc_url, "qwen3_a8w8", p, max_tokens=20, **GREEDY)["output_ids"] for p in prompts]
+    results = [None] * 8
+
+    def run(i):
+        results[i] = stream_generate(triton.grpc_url, "qwen3_a8w8", prompts[i], max_tokens=20, **GREEDY)["output_ids"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == solo
+
+
+def test_cancelling_a_stream_frees_its_pages(triton):
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer("qwen3_tq", build_inputs(PROMPT, max_tokens=900, **GREEDY))
+    for _ in range(5):
+        r, e = got.get(timeout=60)
+        assert e is None
+    deadline = time.time() + 5   # the gauges are refreshed every 0.1 s
+    while time.time() < deadline and triton.metric("vllm:kv_cache_pages_used", "qwen3_tq") == 0:
+        time.sleep(0.05)
+    assert triton.metric("vllm:kv_cache_pages_used", "qwen3_tq") > 0
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.time() + 10
+    while time.time() < deadline and triton.metric("vllm:kv_cache_pages_used", "qwen3_tq") > 0:
+        time.sleep(0.1)
+    assert triton.metric("vllm:kv_cache_pages_used", "qwen3_tq") == 0
+    assert triton.metric("vllm:num_requests_running", "qwen3_tq") == 0
+    assert triton.metric("vllm:request_success_total", "qwen3_tq", finished_reason="cancelled") >= 1
+    # and the model keeps serving
+    assert len(stream_generate(triton.grpc_url, "qwen3_tq", PROMPT, max_tokens=4, **GREEDY)["output_ids"]) == 4
+
+
+def test_http_generate_and_generate_stream(triton):
+    body = {"text_input": PROMPT, "max_tokens": 10, "temperature": 0, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps({"ignore_eos": True})}
+    req = urllib.request.Request(f"http://{triton.http_url}/v2/models/qwen3_a8w8/generate",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        whole = json.loads(r.read())
+    events = list(generate_stream(triton.http_url, "qwen3_a8w8", {**body, "stream": True}))
+    assert len(events) == 10
+    assert "".join(e["text_output"] for e in events) == whole["text_output"]
+    assert [e["output_ids"] for e in events] == whole["output_ids"]
+
+
+def test_bad_request_gets_an_error_naming_the_field_and_the_model_keeps_serving(triton):
+    bad = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=8, temperature=-1.0)
+    assert bad[0][0] == "ERROR" and "temperature" in bad[0][1]
+    bad = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, sampling_parameters={"top_p": 7})
+    assert bad[0][0] == "ERROR" and "top_p" in bad[0][1]
+    assert len(stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPT, max_tokens=3, **GREEDY)["output_ids"]) == 3
+
+
+def test_metric_counts_are_exact_for_a_known_request(triton):
+    ids = [9707, 11, 1879, 0, 2585, 525, 498]   # 7 prompt tokens
+    m = "qwen3_a8w8"
+    before = {k: triton.metric(k, m) for k in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                                               "vllm:time_to_first_token_seconds_count",
+                                               "vllm:inter_token_latency_seconds_count")}
+    length_before = triton.metric("vllm:request_success_total", m, finished_reason="length")
+    res = stream_generate(triton.grpc_url, m, input_ids=ids, max_tokens=9, **GREEDY)
+    assert len(res["output_ids"]) == 9 and res["finish_reason"] == "length"
+    time.sleep(0.3)
+    after = {k: triton.metric(k, m) for k in before}
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 7
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 9
+    assert after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 1
+    assert after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"] == 8
+    assert triton.metric("vllm:request_success_total", m, finished_reason="length") - length_before == 1
+    assert triton.metric("vllm:kv_cache_pages_total", m) > 0

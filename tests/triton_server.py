@@ -1,0 +1,123 @@
+"""Starts the real tritonserver (the venv's `tritonserver` command) on free ports for tests."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_repository(dest: Path, models: dict[str, dict[str, str]]) -> Path:
+    """Copies model_repository/<name> for each model, with config.pbtxt parameters replaced."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, overrides in models.items():
+        src = ROOT / "model_repository" / name
+        shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        cfg = dest / name / "config.pbtxt"
+        text = cfg.read_text()
+        for key, value in overrides.items():
+            pattern = rf'(parameters \{{ key: "{key}", value: \{{ string_value: )"[^"]*"'
+            text, n = re.subn(pattern, rf'\1"{value}"', text)
+            if n == 0:
+                text += f'parameters {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
+        cfg.write_text(text)
+    return dest
+
+
+class TritonServer:
+    def __init__(self, repository: Path, log_path: Path, env: dict | None = None, extra_args=()):
+        self.repository, self.log_path = repository, log_path
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.env = {**os.environ, **(env or {})}
+        self.env["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{self.env.get('PATH', '')}"
+        self.extra_args = list(extra_args)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    def start(self, timeout: float = 300.0, wait_ready: bool = True) -> "TritonServer":
+        cmd = [str(Path(sys.prefix) / "bin" / "tritonserver"), "--model-repository", str(self.repository),
+               f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
+               f"--metrics-port={self.metrics_port}", "--log-verbose=0", *self.extra_args]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout}s:\n{self.log_tail()}")
+
+    def model_ready(self, name: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{name}/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, model: str, **labels) -> float:
+        """Sum of the samples of `name` for `model` whose labels include `labels`."""
+        total, found = 0.0, False
+        for line in self.metrics().splitlines():
+            if not line.startswith(name + "{"):
+                continue
+            lab = dict(re.findall(r'(\w+)="([^"]*)"', line[len(name):line.rindex("}")]))
+            if lab.get("model") == model and all(lab.get(k) == v for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        if not found:
+            raise KeyError(f"metric {name} for model {model} not found")
+        return total
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
