@@ -23,10 +23,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 def engine_config(args, **overrides) -> EngineConfig:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    return EngineConfig(checkpoint=args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype,
-                        kv_cache=args.kv_cache, page_size=args.page_size, device=args.device,
-                        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                        kernels=args.kernels, **overrides)
+    fields = dict(checkpoint=args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, kv_cache=args.kv_cache,
+                  page_size=args.page_size, device=args.device, max_model_len=args.max_model_len,
+                  kv_cache_memory=args.kv_cache_memory, kernels=args.kernels)
+    fields.update(overrides)
+    return EngineConfig(**fields)
 
 
 def parse_ids(text: str) -> list[int]:

@@ -61,10 +61,11 @@ def test_models_are_ready(triton):
     assert triton.model_ready("qwen3_a8w8") and triton.model_ready("qwen3_tq")
 
 
-@pytest.mark.parametrize("model, ckpt_fixture", [("qwen3_a8w8", "a8w8_ckpt"), ("qwen3_tq", "bf16_ckpt")])
-def test_streaming_gives_one_response_per_token_equal_to_offline_cli(triton, request, model, ckpt_fixture):
+@pytest.mark.parametrize("model, ckpt_fixture, kv_cache", [("qwen3_a8w8", "a8w8_ckpt", "bf16"),
+                                                           ("qwen3_tq", "bf16_ckpt", "tq")])
+def test_streaming_gives_one_response_per_token_equal_to_offline_cli(triton, request, model, ckpt_fixture, kv_cache):
     ckpt = request.getfixturevalue(ckpt_fixture)
-    expected = offline_generate(ckpt, PROMPT, 16)
+    expected = offline_generate(ckpt, PROMPT, 16, kv_cache=kv_cache)
     responses = collect(triton.grpc_url, model, prompt=PROMPT, max_tokens=16, **GREEDY)
     token_responses = [r for r in responses if r[1]]
     assert all(len(ids) == 1 for _, ids, _ in token_responses)

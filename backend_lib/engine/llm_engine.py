@@ -202,6 +202,10 @@ class LLMEngine:
 
     def score(self, token_ids: list[int]) -> list[float | None]:
         """Log-probability of each token given those before it; the first entry is None."""
+        return self.score_detail(token_ids)[0]
+
+    def score_detail(self, token_ids: list[int]) -> tuple[list[float | None], list[int]]:
+        """(score(token_ids), the top-1 prediction after each position)."""
         if len(token_ids) > self.max_model_len:
             raise RequestError(f"ids: {len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
         seq = Sequence("score", token_ids, SamplingParams(), 1, set(), self.tokenizer.detokenizer(), -1)

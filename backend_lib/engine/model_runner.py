@@ -57,9 +57,11 @@ class ModelRunner:
         return list(zip(seqs, samples))
 
     @torch.inference_mode()
-    def prompt_logprobs(self, seq: Sequence, chunk: int) -> list[float | None]:
-        """Log-probability of every token given those before it (first entry None), chunk by chunk."""
+    def prompt_logprobs(self, seq: Sequence, chunk: int) -> tuple[list[float | None], list[int]]:
+        """Log-probability of every token given those before it (first entry None), chunk by chunk,
+        and the model's top-1 prediction after each position."""
         out: list[float | None] = [None]
+        top1: list[int] = []
         while seq.num_pending > 0:
             n = min(chunk, seq.num_pending)
             input_ids, positions, meta, _, _ = self.prepare([(seq, n)])
@@ -68,5 +70,6 @@ class ModelRunner:
             start = seq.num_computed
             nxt = seq.tokens[start + 1:start + n + 1]
             out.extend(logp[i, t].item() for i, t in enumerate(nxt))
+            top1.extend(logp.argmax(dim=-1).tolist())
             seq.num_computed += n
-        return out
+        return out, top1

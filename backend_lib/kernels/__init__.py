@@ -30,6 +30,8 @@ class Kernels:
     float_linear: Callable
     write_kv: Callable
     paged_attention: Callable
+    tq_write: Callable
+    tq_paged_attention: Callable
 
 
 REFERENCE = Kernels(
@@ -43,6 +45,8 @@ REFERENCE = Kernels(
     float_linear=reference.float_linear,
     write_kv=reference.write_kv,
     paged_attention=reference.paged_attention,
+    tq_write=reference.tq_write,
+    tq_paged_attention=reference.tq_paged_attention,
 )
 
 
@@ -55,6 +59,8 @@ def _cpu_kernels() -> Kernels:
         add_rms_norm=ops.add_rms_norm,
         float_linear=ops.float_linear,
         paged_attention=ops.paged_attention,
+        tq_write=ops.tq_write,
+        tq_paged_attention=ops.tq_paged_attention,
     )
 
 

@@ -140,3 +140,82 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         v = gather_context(v_cache, block_tables[b], seq_len)
         out[lo:hi] = attend(q[lo:hi], k, v, seq_len, scale).to(q.dtype)
     return out
+
+
+# ----- TurboQuant 4-bit KV cache (MSE variant), see shared spec turboquant.md ---------------------------
+
+# Lloyd-Max 16-level quantizer of N(0, 1): the positive centroids (symmetric), MSE 0.009501.
+LLOYD_MAX_16 = (0.1283950, 0.3880483, 0.6567591, 0.9423405, 1.2562312, 1.6180464, 2.0690172, 2.7325896)
+
+
+def tq_codebook(head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(centroids [16], boundaries [15]) for N(0, 1/head_dim): ascending, boundaries are midpoints."""
+    pos = torch.tensor(LLOYD_MAX_16, dtype=torch.float64)
+    cents = torch.cat([-pos.flip(0), pos]) / head_dim ** 0.5
+    bounds = (cents[1:] + cents[:-1]) / 2
+    return cents.float().to(device), bounds.float().to(device)
+
+
+def tq_rotation(head_dim: int, seed: int) -> torch.Tensor:
+    """A seeded random orthogonal [d, d] matrix: QR of a standard-normal matrix, signs fixed by diag(R)."""
+    g = torch.Generator(device="cpu").manual_seed(seed % 2**63)
+    a = torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    q = q * torch.sign(torch.diagonal(r))[None, :]
+    return q.float().contiguous()
+
+
+def tq_layer_seed(base_seed: int, layer: int) -> int:
+    return (base_seed * 1_000_003 + layer * 7919 + 17) % 2**63
+
+
+def tq_encode(x: torch.Tensor, rotation: torch.Tensor, centroids: torch.Tensor, boundaries: torch.Tensor):
+    """Rows x [..., d] -> (codes uint8 [..., d/2] half/half nibble order, scales fp32 [...])."""
+    xf = x.float()
+    d = xf.shape[-1]
+    n = torch.sqrt(xf.pow(2).sum(-1) + 1e-6)
+    y = (xf / n[..., None]) @ rotation
+    idx = torch.bucketize(y, boundaries)                    # index of the nearest centroid
+    norm_c = centroids[idx].pow(2).sum(-1).sqrt()
+    scale = n / norm_c
+    codes = (idx[..., : d // 2] | (idx[..., d // 2:] << 4)).to(torch.uint8)
+    return codes, scale
+
+
+def tq_unpack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., d/2] -> centroid indices int64 [..., d]."""
+    c = codes.long()
+    return torch.cat([c & 0xF, c >> 4], dim=-1)
+
+
+def tq_decode(codes, scales, rotation, centroids) -> torch.Tensor:
+    """Back to the original space (only for tests and the dequantize-then-attend comparison)."""
+    return (centroids[tq_unpack(codes)] * scales[..., None]) @ rotation.t()
+
+
+def tq_write(k, v, k_codes, k_scales, v_codes, v_scales, slot_mapping, rotation, centroids, boundaries):
+    page_size = k_codes.shape[2]
+    pages, offs = slot_mapping // page_size, slot_mapping % page_size
+    for x, codes, scales in ((k, k_codes, k_scales), (v, v_codes, v_scales)):
+        c, s = tq_encode(x, rotation, centroids, boundaries)
+        codes[pages, :, offs] = c
+        scales[pages, :, offs] = s
+
+
+def tq_paged_attention(q, k_codes, k_scales, v_codes, v_scales, block_tables, query_start_loc, seq_lens, rotation,
+                       centroids, scale):
+    """Attention in the rotated space: q_rot = q R; scores from centroids * scales; o = o_rot R^T."""
+    out = torch.empty_like(q)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        lo, hi = qsl[b], qsl[b + 1]
+        if hi == lo:
+            continue
+        k_rot = centroids[tq_unpack(gather_context(k_codes, block_tables[b], seq_len))] \
+            * gather_context(k_scales[..., None], block_tables[b], seq_len)
+        v_rot = centroids[tq_unpack(gather_context(v_codes, block_tables[b], seq_len))] \
+            * gather_context(v_scales[..., None], block_tables[b], seq_len)
+        q_rot = q[lo:hi].float() @ rotation
+        o_rot = attend(q_rot, k_rot, v_rot, seq_len, scale)
+        out[lo:hi] = (o_rot @ rotation.t()).to(q.dtype)
+    return out

@@ -10,6 +10,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale);
+void tq_write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_codes, at::Tensor& k_scales,
+              at::Tensor& v_codes, at::Tensor& v_scales, const at::Tensor& slot_mapping, const at::Tensor& R,
+              const at::Tensor& cents, const at::Tensor& bounds);
+at::Tensor tq_paged_attention(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scales,
+                              const at::Tensor& v_codes, const at::Tensor& v_scales, const at::Tensor& block_tables,
+                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& R,
+                              const at::Tensor& cents, double scale);
 }  // namespace qk
 
 TORCH_LIBRARY(qwen3_cpu, m) {
@@ -19,4 +26,11 @@ TORCH_LIBRARY(qwen3_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale) -> Tensor",
         &qk::paged_attention);
+  m.def("tq_write(Tensor k, Tensor v, Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) v_codes, "
+        "Tensor(d!) v_scales, Tensor slot_mapping, Tensor rotation, Tensor centroids, Tensor boundaries) -> ()",
+        &qk::tq_write);
+  m.def("tq_paged_attention(Tensor q, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
+        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor rotation, Tensor centroids, "
+        "float scale) -> Tensor",
+        &qk::tq_paged_attention);
 }
