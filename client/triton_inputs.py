@@ -21,11 +21,18 @@ def _tensor(name, arr, dtype, module=grpcclient):
 
 
 def build_inputs(prompt: str | None = None, input_ids: list[int] | None = None, *, stream: bool = True,
-                 sampling_parameters: dict | None = None, stop_words: list[str] | None = None, module=grpcclient,
+                 sampling_parameters: dict | None = None, stop_words: list[str] | None = None,
+                 messages: list[dict] | None = None, enable_thinking: bool | None = None, module=grpcclient,
                  **fields) -> list:
-    """prompt/input_ids; sampling_parameters as the vLLM JSON; other keyword fields as scalar tensors
-    (TensorRT-LLM dialect: max_tokens=32, temperature=0.0, ...) or flags (return_finish_reason=True)."""
+    """prompt/input_ids (or chat `messages` for the ensembles); sampling_parameters as the vLLM JSON; other
+    keyword fields as scalar tensors (TensorRT-LLM dialect: max_tokens=32, temperature=0.0, ...) or flags
+    (return_finish_reason=True)."""
     inputs = []
+    if messages is not None:
+        data = json.dumps(messages, ensure_ascii=False).encode()
+        inputs.append(_tensor("messages", np.array([data], dtype=np.object_), "BYTES", module))
+    if enable_thinking is not None:
+        inputs.append(_tensor("enable_thinking", np.array([enable_thinking], dtype=bool), "BOOL", module))
     if prompt is not None:
         inputs.append(_tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES", module))
     if input_ids is not None:

@@ -23,12 +23,14 @@ build_demo() {  # $1 = format, $2 = env var that would point elsewhere
 }
 build_demo a8w8 QWEN3_A8W8_CHECKPOINT
 build_demo bf16 QWEN3_TQ_CHECKPOINT
+export QWEN3_TOKENIZER_CHECKPOINT="${QWEN3_TOKENIZER_CHECKPOINT:-$QWEN3_TQ_CHECKPOINT}"
 HTTP_PORT="${HTTP_PORT:-8000}"; GRPC_PORT="${GRPC_PORT:-8001}"; METRICS_PORT="${METRICS_PORT:-8002}"
 cat <<MSG
 [serve] starting tritonserver (HTTP :$HTTP_PORT, gRPC :$GRPC_PORT, metrics :$METRICS_PORT). Once the models are READY,
         in another terminal:
           . .venv/bin/activate
           python -m client.stream --model qwen3_a8w8 --prompt "Hello" --url localhost:$GRPC_PORT
+          python -m client.chat --url localhost:$GRPC_PORT          # chat through qwen3_a8w8_ensemble
           curl -N -X POST localhost:$HTTP_PORT/v2/models/qwen3_tq/generate_stream -d '{"text_input": "Hello", "max_tokens": 32, "stream": true}'
 MSG
 exec tritonserver --model-repository model_repository --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \

@@ -75,6 +75,9 @@ def triton(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     repo = make_repository(root / "models", {
         "qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt)},
         "qwen3_tq": {**SERVER_ENGINE, "checkpoint": str(bf16_ckpt)},
+        "qwen3_tokenizer": {"checkpoint": str(bf16_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]},
+        "qwen3_a8w8_ensemble": {},
+        "qwen3_tq_ensemble": {},
     })
     server = TritonServer(repo, root / "tritonserver.log").start()
     yield server

@@ -1,0 +1,175 @@
+"""Tokenizer model and ensembles through the real tritonserver, on the real Qwen vocabulary."""
+from __future__ import annotations
+
+import json
+import queue
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from backend_lib.tokenizer import Tokenizer
+from client.http_stream import generate_stream
+from client.stream import stream_generate
+from client.triton_inputs import build_inputs
+from test_tokenizer import CONVERSATIONS
+from test_triton_server import GREEDY, collect
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+PROMPTS = {
+    "chinese": "介绍一下北京故宫",
+    "emoji": "Party time 🎉🫠👩‍👩‍👧‍👦 — what next?",
+    "spaces": "English  with  double spaces\nand newlines\n\n  indented",
+    "code": "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+}
+
+
+@pytest.fixture(scope="module")
+def tok(bf16_ckpt):
+    return Tokenizer(bf16_ckpt)
+
+
+def tokenizer_model(url, **inputs):
+    client = grpcclient.InferenceServerClient(url)
+    tensors = []
+    for name, value in inputs.items():
+        if isinstance(value, bool):
+            arr, dtype = np.array([[value]], dtype=bool), "BOOL"
+        else:
+            arr, dtype = np.array([[value.encode()]], dtype=np.object_), "BYTES"
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    try:
+        return client.infer("qwen3_tokenizer", tensors).as_numpy("input_ids")[0].tolist()
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("model", ["qwen3_a8w8_ensemble", "qwen3_a8w8", "qwen3_tq_ensemble"])
+@pytest.mark.parametrize("kind", sorted(PROMPTS))
+def test_streamed_text_equals_whole_text_equals_decoding_all_ids(triton, tok, model, kind):
+    prompt = PROMPTS[kind]
+    streamed = collect(triton.grpc_url, model, prompt=prompt, max_tokens=24, **GREEDY)
+    assert streamed[-1][2] and all(r[0] != "ERROR" for r in streamed)
+    text = "".join(t for t, _, _ in streamed)
+    ids = [i for _, got, _ in streamed for i in got]
+    assert len(ids) == 24
+    whole = collect(triton.grpc_url, model, prompt=prompt, max_tokens=24, stream=False, exclude_input_in_output=True,
+                    **GREEDY)
+    assert len(whole) == 1
+    assert whole[0][1] == ids
+    assert whole[0][0].encode() == text.encode()
+    assert tok.hf.decode(ids, skip_special_tokens=True).encode() == text.encode()
+    with_prompt = collect(triton.grpc_url, model, prompt=prompt, max_tokens=24, stream=False, **GREEDY)
+    assert with_prompt[0][0] == prompt + text
+
+
+def test_tokenizer_model_round_trips_real_text(triton, tok):
+    for prompt in PROMPTS.values():
+        ids = tokenizer_model(triton.grpc_url, text_input=prompt)
+        assert ids == tok.encode(prompt)
+        assert tok.decode(ids) == prompt
+
+
+@pytest.mark.parametrize("kind", sorted(PROMPTS))
+def test_ensemble_tokens_equal_llm_tokens(triton, kind):
+    a = stream_generate(triton.grpc_url, "qwen3_a8w8_ensemble", PROMPTS[kind], max_tokens=16, **GREEDY)
+    b = stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPTS[kind], max_tokens=16, **GREEDY)
+    assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
+
+
+@pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("thinking", [True, False])
+def test_tokenizer_model_equals_transformers_apply_chat_template(triton, bf16_ckpt, conv, thinking):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(bf16_ckpt))
+    msgs = CONVERSATIONS[conv]
+    theirs = hf.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=thinking, tokenize=True)
+    theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+    ours = tokenizer_model(triton.grpc_url, messages=json.dumps(msgs, ensure_ascii=False), enable_thinking=thinking)
+    assert ours == theirs
+
+
+def test_chat_through_the_ensemble_uses_the_template(triton, tok):
+    msgs = [{"role": "user", "content": "介绍一下北京故宫"}]
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    inputs = build_inputs(None, stream=False, max_tokens=4, return_num_input_tokens=True, **GREEDY)
+    m = grpcclient.InferInput("messages", [1], "BYTES")
+    m.set_data_from_numpy(np.array([json.dumps(msgs).encode()], dtype=np.object_))
+    e = grpcclient.InferInput("enable_thinking", [1], "BOOL")
+    e.set_data_from_numpy(np.array([False]))
+    client.async_stream_infer("qwen3_tq_ensemble", inputs + [m, e])
+    r, err = results.get(timeout=60)
+    client.stop_stream()
+    client.close()
+    assert err is None
+    expected = tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False)
+    assert expected.endswith("<think>\n\n</think>\n\n")
+    assert r.as_numpy("num_input_tokens")[0] == len(tok.encode(expected))
+    assert r.as_numpy("text_output")[0].decode().startswith(expected)
+
+
+def test_generate_stream_events_are_json_and_concatenate_to_generate(triton):
+    for model in ("qwen3_a8w8_ensemble", "qwen3_tq_ensemble"):
+        body = {"text_input": PROMPTS["chinese"], "max_tokens": 12, "temperature": 0,
+                "exclude_input_in_output": True, "sampling_parameters": json.dumps({"ignore_eos": True})}
+        req = urllib.request.Request(f"http://{triton.http_url}/v2/models/{model}/generate",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            whole = json.loads(r.read())
+        events = list(generate_stream(triton.http_url, model, {**body, "stream": True}))   # each parsed as JSON
+        assert len(events) == 12
+        assert "".join(e["text_output"] for e in events) == whole["text_output"]
+
+
+@pytest.mark.parametrize("inputs, field", [
+    ({"prompt": ""}, "text_input"),
+    ({"prompt": "word " * 2000}, "max_model_len"),
+])
+def test_tokenizer_errors_name_the_field_through_the_ensemble(triton, inputs, field):
+    res = collect(triton.grpc_url, "qwen3_a8w8_ensemble", max_tokens=4, **inputs)
+    assert res[0][0] == "ERROR" and field in res[0][1]
+
+
+@pytest.mark.parametrize("messages, field", [
+    ("not json", "messages: malformed JSON"),
+    (json.dumps([{"role": "wizard", "content": "x"}]), "messages[0].role"),
+    (json.dumps([{"role": "user", "content": 5}]), "messages[0].content"),
+    (json.dumps([]), "messages"),
+])
+def test_malformed_messages_are_rejected(triton, messages, field):
+    with pytest.raises(Exception) as err:
+        tokenizer_model(triton.grpc_url, messages=messages)
+    assert field in str(err.value)
+
+
+def test_cancellation_through_the_ensemble_stops_the_stream_not_a_running_llm_step(triton):
+    """What an ensemble cancel can and cannot stop (Triton 2.51, core PR #263): the ensemble checks for
+    cancellation between steps, so a cancel ends the client's stream at once and cancels steps not yet
+    started, but an LLM step that is already generating is not told: it runs to max_tokens (or a stop) and
+    frees its pages then. The LLM models themselves abort within one step (test_triton_server)."""
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer("qwen3_tq_ensemble", build_inputs(PROMPTS["code"], max_tokens=400, **GREEDY))
+    for _ in range(5):
+        r, e = got.get(timeout=60)
+        assert e is None
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    time.sleep(0.3)
+    assert triton.metric("vllm:num_requests_running", "qwen3_tq") == 1, \
+        "the LLM step was aborted: Triton now propagates ensemble cancellation, update README and this test"
+    deadline = time.time() + 60
+    while time.time() < deadline and triton.metric("vllm:num_requests_running", "qwen3_tq") > 0:
+        time.sleep(0.1)
+    assert triton.metric("vllm:kv_cache_pages_used", "qwen3_tq") == 0
+    assert triton.metric("vllm:request_success_total", "qwen3_tq", finished_reason="length") >= 1
+    assert len(stream_generate(triton.grpc_url, "qwen3_tq_ensemble", "hi", max_tokens=3, **GREEDY)["output_ids"]) == 3
