@@ -1,0 +1,36 @@
+"""python -m client.openai_server [--triton-url localhost:8001] [--host 127.0.0.1] [--port 9000] [--api-key KEY]"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import uvicorn
+
+from .app import create_app
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m client.openai_server",
+                                 description="OpenAI-compatible HTTP front over the Triton LLM models.")
+    ap.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC endpoint")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=9000)
+    ap.add_argument("--api-key", default=os.environ.get("QWEN3_API_KEY") or None,
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $QWEN3_API_KEY)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer folder for logprob token strings (default: 'token_id:<id>')")
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    tokenizer = None
+    if args.tokenizer:
+        from backend_lib.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(args.tokenizer)
+    app = create_app(args.triton_url, api_key=args.api_key, tokenizer=tokenizer)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

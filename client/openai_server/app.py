@@ -1,0 +1,103 @@
+"""The FastAPI app: routes, API-key check and OpenAI error bodies."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .errors import APIError, bad_request, unauthorized
+from .formats import ChatFormat, CompletionFormat, TokenNames
+from .gateway import TritonGateway
+from .generation import ClientGone, respond
+from .params import parse_chat, parse_completion
+
+log = logging.getLogger("client.openai_server")
+
+
+async def _json_body(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad_request("the request body is not valid JSON") from None
+
+
+def _api_key_check(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), expected):
+            raise unauthorized()
+    return check
+
+
+def _v1_routes(gateway: TritonGateway, names: TokenNames, api_key: str | None) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+
+    @router.get("/models")
+    async def list_models():
+        models = await gateway.llm_models()
+        return {"object": "list", "data": [_model_card(m) for m in models]}
+
+    @router.get("/models/{model:path}")
+    async def get_model(model: str):
+        await gateway.require_llm(model)
+        return _model_card(model)
+
+    @router.post("/completions")
+    async def completions(request: Request):
+        gen = parse_completion(await _json_body(request))
+        return await respond(request, gateway, gen, CompletionFormat(gen.model, names, gen.include_usage))
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request):
+        gen = parse_chat(await _json_body(request))
+        return await respond(request, gateway, gen, ChatFormat(gen.model, names, gen.include_usage))
+
+    return router
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "triton"}
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_request, _exc):
+        return Response(status_code=499)   # nobody is listening
+
+    @app.exception_handler(Exception)
+    async def internal(_request, exc: Exception):
+        log.exception("request failed")
+        body = APIError(500, f"internal error: {exc}", type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+
+def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, tokenizer=None) -> FastAPI:
+    """The OpenAI-compatible app over the Triton server at `triton_url` (gRPC).
+    tokenizer: a backend_lib Tokenizer for logprob token strings (optional)."""
+    gateway = TritonGateway(triton_url)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await gateway.close()
+
+    app = FastAPI(title="Qwen3 on Triton: OpenAI-compatible API", lifespan=lifespan)
+    _error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        ok = await gateway.healthy()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    app.include_router(_v1_routes(gateway, TokenNames(tokenizer), api_key))
+    return app

@@ -1,0 +1,125 @@
+"""OpenAI response objects: completion and chat.completion, their stream chunks, usage and logprobs."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from .gateway import Delta
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class TokenNames:
+    """Token strings for logprobs: the tokenizer's bytes of each id, or "token_id:<id>" without one."""
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+
+    def bytes(self, token_id: int) -> bytes:
+        table = self.tokenizer.token_bytes if self.tokenizer is not None else None
+        if table is not None and 0 <= token_id < len(table):
+            return table[token_id]
+        return f"token_id:{token_id}".encode()
+
+    def text(self, token_id: int) -> str:
+        return self.bytes(token_id).decode("utf-8", errors="replace")
+
+
+class ResponseFormat:
+    """Shared state of one response: id, creation time, model, and whether usage is streamed."""
+    object_name = chunk_name = prefix = ""
+
+    def __init__(self, model: str, names: TokenNames, include_usage: bool = False):
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model, self.names, self.include_usage = model, names, include_usage
+
+    def _envelope(self, object_name: str, choices: list) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def chunk(self, choice: dict) -> dict:
+        obj = self._envelope(self.chunk_name, [{"index": 0, **choice}])
+        if self.include_usage:
+            obj["usage"] = None
+        return obj
+
+    def usage_chunk(self, counts: dict) -> dict:
+        return {**self._envelope(self.chunk_name, []), "usage": counts}
+
+    def whole(self, choice: dict, counts: dict) -> dict:
+        return {**self._envelope(self.object_name, [{"index": 0, **choice}]), "usage": counts}
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = chunk_name = "text_completion"
+    prefix = "cmpl"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._offset = 0   # text_offset of the next token
+
+    def logprobs(self, entries: list[dict]) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            token = self.names.text(e["id"])
+            out["tokens"].append(token)
+            out["token_logprobs"].append(e["logprob"])
+            out["top_logprobs"].append({self.names.text(t["id"]): t["logprob"] for t in e.get("top", [])})
+            out["text_offset"].append(self._offset)
+            self._offset += len(token)
+        return out
+
+    def first_chunks(self) -> list[dict]:
+        return []
+
+    def delta_chunk(self, delta: Delta, with_logprobs: bool) -> dict:
+        lp = self.logprobs(delta.logprobs) if with_logprobs else None
+        return self.chunk({"text": delta.text, "logprobs": lp, "finish_reason": None})
+
+    def final_chunk(self, reason: str) -> dict:
+        return self.chunk({"text": "", "logprobs": None, "finish_reason": reason})
+
+    def result(self, text: str, entries: list[dict] | None, reason: str, counts: dict) -> dict:
+        lp = self.logprobs(entries) if entries is not None else None
+        return self.whole({"text": text, "logprobs": lp, "finish_reason": reason}, counts)
+
+
+class ChatFormat(ResponseFormat):
+    object_name, chunk_name = "chat.completion", "chat.completion.chunk"
+    prefix = "chatcmpl"
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        raw = self.names.bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def logprobs(self, entries: list[dict]) -> dict:
+        return {"content": [{**self._entry(e["id"], e["logprob"]),
+                             "top_logprobs": [self._entry(t["id"], t["logprob"]) for t in e.get("top", [])]}
+                            for e in entries], "refusal": None}
+
+    def first_chunks(self) -> list[dict]:
+        return [self.chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})]
+
+    def delta_chunk(self, delta: Delta, with_logprobs: bool) -> dict:
+        lp = self.logprobs(delta.logprobs) if with_logprobs else None
+        return self.chunk({"delta": {"content": delta.text}, "logprobs": lp, "finish_reason": None})
+
+    def final_chunk(self, reason: str) -> dict:
+        return self.chunk({"delta": {}, "logprobs": None, "finish_reason": reason})
+
+    def result(self, text: str, entries: list[dict] | None, reason: str, counts: dict) -> dict:
+        lp = self.logprobs(entries) if entries is not None else None
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return self.whole({"message": message, "logprobs": lp, "finish_reason": reason}, counts)
