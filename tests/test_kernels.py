@@ -20,13 +20,17 @@ def test_cpu_kernels_are_compiled():
 def test_float_linear_matches_reference_and_is_batch_invariant(xd, wd):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 1000, generator=g).to(xd)   # K not a multiple of 16 or 32: exercises the tails
-    w = torch.randn(259, 1000, generator=g).to(wd)
-    y = CPU.float_linear(x, w, torch.float32)
+    w = torch.randn(259, 1000, generator=g).to(wd)  # N not a multiple of 4: a partial tile
+    p = CPU.float_prepare(w)
+    y = CPU.float_linear(x, p, torch.float32)
     r = ref.float_linear(x, w, torch.float32)
     torch.testing.assert_close(y, r, rtol=1e-4, atol=2e-3)
     for m in (1, 2, 3, 5, 17):
-        assert torch.equal(CPU.float_linear(x[:m], w, torch.float32), y[:m])
-    assert torch.equal(CPU.float_linear(x[9:10], w, torch.float32)[0], y[9])
+        assert torch.equal(CPU.float_linear(x[:m], p, torch.float32), y[:m])
+    assert torch.equal(CPU.float_linear(x[9:10], p, torch.float32)[0], y[9])
+    assert CPU.float_linear(x, p).dtype == xd
+    ids = torch.tensor([0, 3, 4, 258, 7, 3])
+    assert torch.equal(CPU.float_rows(p, ids), w[ids])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -103,23 +107,27 @@ def test_a8w8_linear_equals_independent_emulation_and_differs_from_weight_only()
     for k in (CPU, REFERENCE):
         q_k, s_k = k.quantize_per_token(x)
         assert torch.equal(q_k, q_emul), "int8 activations must be identical"
-        y = k.a8w8_linear(x, w_q, w_scale)
+        y = k.a8w8_linear(x, k.a8w8_prepare(w_q, w_scale))
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.double(), y_emul.to(torch.bfloat16).double(), rtol=8e-3, atol=1e-6)
         assert torch.all(y[5] == 0)
     weight_only = ref.float_linear(x.float(), w_q.float() * w_scale[:, None]).to(torch.bfloat16)
-    y = CPU.a8w8_linear(x, w_q, w_scale)
+    y = CPU.a8w8_linear(x, CPU.a8w8_prepare(w_q, w_scale))
     assert (y.float() - weight_only.float()).abs().max() > 1e-3, "activation quantization had no effect"
 
 
-def test_a8w8_linear_is_batch_invariant():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a8w8_linear_matches_reference_bitwise_and_is_batch_invariant(dtype):
+    """Small batches take the VNNI kernel, large ones oneDNN: integer accumulation makes both exact."""
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(33, 512, generator=g).to(torch.bfloat16)
-    w_q = torch.randint(-127, 128, (300, 512), generator=g, dtype=torch.int8)
-    w_s = torch.rand(300, generator=g) * 0.01
-    full = CPU.a8w8_linear(x, w_q, w_s)
-    for m in (1, 4, 16):
-        assert torch.equal(CPU.a8w8_linear(x[:m], w_q, w_s), full[:m])
+    x = (torch.randn(70, 1000, generator=g) * 3).to(dtype)   # K not a multiple of 64: masked tails
+    w_q = torch.randint(-128, 128, (301, 1000), generator=g, dtype=torch.int8)
+    w_s = torch.rand(301, generator=g) * 0.01
+    prepared = CPU.a8w8_prepare(w_q, w_s)
+    full = CPU.a8w8_linear(x, prepared)
+    assert torch.equal(full, ref.a8w8_linear(x, w_q, w_s))
+    for m in (1, 2, 3, 4, 5, 16, 17, 33):
+        assert torch.equal(CPU.a8w8_linear(x[:m], prepared), full[:m])
 
 
 def test_quantize_rounds_half_to_even_and_uses_minus_128_never():

@@ -26,8 +26,11 @@ class Kernels:
     rotary: Callable
     silu_mul: Callable
     quantize_per_token: Callable
-    a8w8_linear: Callable
-    float_linear: Callable
+    a8w8_prepare: Callable      # (w_q int8 [N, K], w_scale fp32 [N]) -> the weight in this kernel set's form
+    a8w8_linear: Callable       # (x, prepared) -> y
+    float_prepare: Callable     # w [N, K] -> the weight in this kernel set's form
+    float_linear: Callable      # (x, prepared, out_dtype=None) -> y
+    float_rows: Callable        # (prepared, ids) -> rows of w (a tied embedding reads the lm_head's weight)
     write_kv: Callable
     paged_attention: Callable
     tq_write: Callable
@@ -41,8 +44,11 @@ REFERENCE = Kernels(
     rotary=reference.rotary,
     silu_mul=reference.silu_mul,
     quantize_per_token=reference.quantize_per_token,
-    a8w8_linear=reference.a8w8_linear,
+    a8w8_prepare=lambda w_q, w_scale: (w_q, w_scale),
+    a8w8_linear=lambda x, prepared: reference.a8w8_linear(x, *prepared),
+    float_prepare=lambda w: w,
     float_linear=reference.float_linear,
+    float_rows=lambda w, ids: w.index_select(0, ids),
     write_kv=reference.write_kv,
     paged_attention=reference.paged_attention,
     tq_write=reference.tq_write,
@@ -55,9 +61,13 @@ def _cpu_kernels() -> Kernels:
     return replace(
         REFERENCE,
         name="cpu",
+        a8w8_prepare=lambda w_q, w_scale: (ops.a8w8_pack(w_q), w_scale.float().contiguous(), ops.a8w8_colsum(w_q)),
+        a8w8_linear=lambda x, prepared: ops.a8w8_linear(x, *prepared),
         rms_norm=ops.rms_norm,
         add_rms_norm=ops.add_rms_norm,
-        float_linear=ops.float_linear,
+        float_prepare=lambda w: (ops.float_pack(w), w.shape[0], w.shape[1]),
+        float_linear=lambda x, p, out_dtype=None: ops.float_linear(x, p[0], p[1], out_dtype),
+        float_rows=lambda p, ids: ops.float_packed_rows(p[0], ids, p[2]),
         paged_attention=ops.paged_attention,
         tq_write=ops.tq_write,
         tq_paged_attention=ops.tq_paged_attention,

@@ -15,24 +15,34 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FloatLinear(nn.Module):
+    """Holds the weight only in the kernel set's own form (packed tiles on the CPU)."""
+
     def __init__(self, weight: torch.Tensor, kernels: Kernels):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         self.kernels = kernels
+        self.prepared = kernels.float_prepare(weight)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.kernels.float_linear(x, self.weight, out_dtype)
+        return self.kernels.float_linear(x, self.prepared, out_dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight (for an embedding tied to this lm_head)."""
+        return self.kernels.float_rows(self.prepared, ids)
 
 
 class A8W8Linear(nn.Module):
+    """Holds the weight only in the kernel set's own form (e.g. packed tiles on the CPU), never twice."""
+
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, kernels: Kernels):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)               # int8 [N, K]
-        self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)   # fp32 [N]
+        self.out_features, self.in_features = weight.shape   # weight: int8 [N, K], weight_scale: fp32 [N]
         self.kernels = kernels
+        self.prepared = kernels.a8w8_prepare(weight, weight_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.a8w8_linear(x, self.weight, self.weight_scale)
+        return self.kernels.a8w8_linear(x, self.prepared)
 
 
 def load_linear(store: WeightStore, names: list[str], out_features: list[int], in_features: int,

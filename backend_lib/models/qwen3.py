@@ -41,24 +41,30 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[Qwen3DecoderLayer], norm: torch.Tensor,
-                 lm_head: FloatLinear, max_positions: int, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor | None, layers: list[Qwen3DecoderLayer],
+                 norm: torch.Tensor, lm_head: FloatLinear, max_positions: int, kernels: Kernels):
+        """embed None: the embedding is tied to lm_head and read from its (packed) weight."""
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
-        self.embed_tokens = nn.Parameter(embed, requires_grad=False)
+        self.embed_tokens = None if embed is None else nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(layers)
         self.norm = nn.Parameter(norm, requires_grad=False)
         self.lm_head = lm_head
-        self.register_buffer("cos_sin", rotary_cos_sin(cfg.head_dim, max_positions, cfg.rope_theta, embed.device),
+        self.register_buffer("cos_sin", rotary_cos_sin(cfg.head_dim, max_positions, cfg.rope_theta, norm.device),
                              persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
+        return self.norm.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            return self.lm_head.rows(input_ids)
+        return self.embed_tokens.index_select(0, input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the step's tokens."""
-        x = self.embed_tokens.index_select(0, input_ids)
+        x = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta)
@@ -103,6 +109,7 @@ class Qwen3ForCausalLM(nn.Module):
             lm_head = FloatLinear(dense("lm_head.weight", (cfg.vocab_size, hid)), kernels)
         elif cfg.tie_word_embeddings:
             lm_head = FloatLinear(embed, kernels)
+            embed = None   # read from the lm_head's weight, never held twice
         else:
             from ..checkpoint import CheckpointError
             raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")

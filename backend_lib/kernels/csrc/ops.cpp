@@ -3,7 +3,10 @@
 #include "common.h"
 
 namespace qk {
-at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w, c10::optional<at::ScalarType> out_dtype);
+at::Tensor float_pack(const at::Tensor& w);
+at::Tensor float_packed_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t K);
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                        c10::optional<at::ScalarType> out_dtype);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
                                                  double eps);
@@ -17,10 +20,19 @@ at::Tensor tq_paged_attention(const at::Tensor& q, const at::Tensor& k_codes, co
                               const at::Tensor& v_codes, const at::Tensor& v_scales, const at::Tensor& block_tables,
                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& R,
                               const at::Tensor& cents, double scale);
+at::Tensor a8w8_pack(const at::Tensor& w_q);
+at::Tensor a8w8_colsum(const at::Tensor& w_q);
+at::Tensor a8w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                       const at::Tensor& colsum);
 }  // namespace qk
 
 TORCH_LIBRARY(qwen3_cpu, m) {
-  m.def("float_linear(Tensor x, Tensor w, ScalarType? out_dtype=None) -> Tensor", &qk::float_linear);
+  m.def("float_pack(Tensor w) -> Tensor", &qk::float_pack);
+  m.def("float_packed_rows(Tensor packed, Tensor ids, int K) -> Tensor", &qk::float_packed_rows);
+  m.def("float_linear(Tensor x, Tensor packed, int N, ScalarType? out_dtype=None) -> Tensor", &qk::float_linear);
+  m.def("a8w8_pack(Tensor w_q) -> Tensor", &qk::a8w8_pack);
+  m.def("a8w8_colsum(Tensor w_q) -> Tensor", &qk::a8w8_colsum);
+  m.def("a8w8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor colsum) -> Tensor", &qk::a8w8_linear);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &qk::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)", &qk::add_rms_norm);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
