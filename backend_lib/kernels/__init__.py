@@ -69,6 +69,7 @@ def _cpu_kernels() -> Kernels:
         float_linear=lambda x, p, out_dtype=None: ops.float_linear(x, p[0], p[1], out_dtype),
         float_rows=lambda p, ids: ops.float_packed_rows(p[0], ids, p[2]),
         paged_attention=ops.paged_attention,
+        write_kv=ops.write_kv,
         tq_write=ops.tq_write,
         tq_paged_attention=ops.tq_paged_attention,
     )

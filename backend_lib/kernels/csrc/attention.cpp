@@ -1,32 +1,27 @@
 // Paged causal attention over a dense (fp32 / bf16) KV cache, for prefill chunks and decode alike.
 //
-// One work item is (query row, KV head): the G query heads of the GQA group read each cached
-// key and value row once. Keys are visited page by page in position order with an online
-// softmax, so a query at position p gets bit-identical results whether it arrives in a prefill
-// chunk, a whole prompt or a decode step, and whatever else shares the batch.
-#include "common.h"
+// One work item is (query row, KV head): the G query heads of the GQA group read each cached key
+// and value row once. Keys are visited page by page in position order with an online softmax, so
+// a query at position p gets bit-identical results whether it arrives in a prefill chunk, a whole
+// prompt or a decode step, and whatever else shares the batch.
+#include "attention_common.h"
 #include <vector>
 
 namespace qk {
 namespace {
 
-constexpr int kMaxGroup = 16;
-constexpr int kMaxHeadDim = 256;
-constexpr int kMaxPage = 1024;
-
 template <typename QT, typename CT>
 void attend_row(const QT* q, const CT* k_cache, const CT* v_cache, const int32_t* block_table, int64_t kv_head,
-                int64_t n_keys, int64_t KVH, int64_t S, int64_t D, int G, float scale, QT* out,
-                int64_t q_head_stride) {
-  float qv[kMaxGroup][kMaxHeadDim];
-  float acc[kMaxGroup][kMaxHeadDim];
+                int64_t n_keys, int64_t KVH, int64_t S, int64_t D, int G, float scale, QT* out) {
+  alignas(64) float qv[kMaxGroup][kMaxHeadDim];
+  alignas(64) float acc[kMaxGroup][kMaxHeadDim];
   float mx[kMaxGroup], den[kMaxGroup];
   static thread_local std::vector<float> scores_buf;
   scores_buf.resize(static_cast<size_t>(kMaxGroup) * S);
   float* scores = scores_buf.data();
   for (int h = 0; h < G; ++h) {
     for (int64_t d = 0; d < D; ++d) {
-      qv[h][d] = to_f(q[h * q_head_stride + d]);
+      qv[h][d] = to_f(q[h * D + d]);
       acc[h][d] = 0.f;
     }
     mx[h] = -INFINITY;
@@ -38,40 +33,13 @@ void attend_row(const QT* q, const CT* k_cache, const CT* v_cache, const int32_t
     const int64_t nk = std::min(S, n_keys - p * S);
     const CT* kp = k_cache + (page * KVH + kv_head) * S * D;
     const CT* vp = v_cache + (page * KVH + kv_head) * S * D;
-    for (int64_t j = 0; j < nk; ++j) {
-      const CT* krow = kp + j * D;
-      for (int h = 0; h < G; ++h) {
-        float part[16] = {0};
-        for (int64_t d = 0; d < D; ++d) part[d & 15] += qv[h][d] * to_f(krow[d]);
-        for (int s = 8; s > 0; s >>= 1)
-          for (int l = 0; l < s; ++l) part[l] += part[l + s];
-        scores[h * S + j] = part[0] * scale;
-      }
-    }
-    for (int h = 0; h < G; ++h) {
-      float bm = mx[h];
-      for (int64_t j = 0; j < nk; ++j) bm = std::max(bm, scores[h * S + j]);
-      const float alpha = std::exp(mx[h] - bm);
-      den[h] *= alpha;
-      for (int64_t d = 0; d < D; ++d) acc[h][d] *= alpha;
-      for (int64_t j = 0; j < nk; ++j) {
-        const float e = std::exp(scores[h * S + j] - bm);
-        scores[h * S + j] = e;
-        den[h] += e;
-      }
-      mx[h] = bm;
-    }
-    for (int64_t j = 0; j < nk; ++j) {
-      const CT* vrow = vp + j * D;
-      for (int h = 0; h < G; ++h) {
-        const float pj = scores[h * S + j];
-        for (int64_t d = 0; d < D; ++d) acc[h][d] += pj * to_f(vrow[d]);
-      }
-    }
+    for (int64_t j = 0; j < nk; ++j) score_row(qv, G, kp + j * D, D, scale, scores + j, S);
+    softmax_block(scores, S, nk, G, mx, den, acc, D);
+    for (int64_t j = 0; j < nk; ++j) accumulate_row(acc, G, scores + j, S, vp + j * D, D);
   }
   for (int h = 0; h < G; ++h) {
     const float inv = 1.0f / den[h];
-    for (int64_t d = 0; d < D; ++d) out[h * q_head_stride + d] = from_f<QT>(acc[h][d] * inv);
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = from_f<QT>(acc[h][d] * inv);
   }
 }
 
@@ -121,12 +89,36 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
           const int64_t pos = ls[b] - n_q + (t - qs[b]);
           const int64_t off = (t * H + g * G) * D;
           attend_row<QT, CT>(qp + off, kc, vc, btp + b * max_pages, g, pos + 1, KVH, S, D, G,
-                             static_cast<float>(scale), op + off, D);
+                             static_cast<float>(scale), op + off);
         }
       });
     });
   });
   return out;
+}
+
+// Scatter new K/V rows [T, KVH, D] into the paged caches at slot_mapping (page * S + offset).
+void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping_in) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  auto k = k_in.to(k_cache.scalar_type()).contiguous();
+  auto v = v_in.to(v_cache.scalar_type()).contiguous();
+  auto slots = slot_mapping_in.to(at::kLong).contiguous();
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), S = k_cache.size(2);
+  const int64_t es = k.element_size(), row = D * es;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  char* kd = static_cast<char*>(k_cache.data_ptr());
+  char* vd = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t page = sp[t] / S, off = sp[t] % S;
+    for (int64_t g = 0; g < KVH; ++g) {
+      const int64_t dst = ((page * KVH + g) * S + off) * row;
+      std::memcpy(kd + dst, ks + (t * KVH + g) * row, row);
+      std::memcpy(vd + dst, vs + (t * KVH + g) * row, row);
+    }
+  }
 }
 
 }  // namespace qk

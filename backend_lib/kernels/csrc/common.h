@@ -42,6 +42,15 @@ template <> inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
   return r;
 }
 
+#if defined(__AVX512F__)
+// 16 consecutive values as fp32 lanes.
+inline __m512 load16x(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16x(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
 inline void check_float_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
               name, " must be float32 or bfloat16, got ", t.scalar_type());

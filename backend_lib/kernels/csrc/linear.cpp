@@ -1,43 +1,67 @@
 // Batch-invariant float linear y = x W^T for the CPU, on weights packed at load.
 //
-// W is packed into tiles of 4 output rows, [N/4][K/CH][4][CH] with CH elements = 64 bytes, so each
-// tile streams sequentially. Every output is one dot product over K accumulated in a fixed order (16
-// fp32 lanes, then a fixed horizontal tree) whatever M is and whichever rows share the call, so a
-// token's result never depends on its batch. Up to 4 x-rows reuse each loaded weight vector.
+// W is packed into panels of 64 output rows: bf16 weights as [N/64][K/2][64][2] (one zmm = 16 rows x
+// a k-pair, the AVX512-BF16 dot-product layout), fp32 weights as [N/64][K][64]. x values are
+// broadcast and every output lane accumulates its own dot product sequentially over k: the order is
+// fixed whatever M is and whichever rows share the call, so a token's result never depends on its
+// batch. Up to 6 x-rows share every weight load; a panel is one sequential memory stream.
 #include "common.h"
 
 namespace qk {
 namespace {
 
-constexpr int64_t kTileRows = 4;
-constexpr int64_t kChunkBytes = 64;
+constexpr int64_t kPanel = 64;
+constexpr int kMaxRows = 6;
+
+inline float bf16_at(const c10::BFloat16* p) { return bf16_bits_to_float(p->x); }
 
 #if defined(__AVX512F__)
-inline __m512 bf16x16_to_f32(__m256i raw) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load_x16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_x16(const c10::BFloat16* p, __mmask16 m) {
-  return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
-}
-
-// fp32 W tiles: chunk c holds 16 floats of each of the 4 rows.
+// bf16 panel, fp32 (or bf16 without the BF16 extension) x: split each k-pair into two fp32 vectors.
 template <int MB, typename XT>
-inline void tile_f32w(const XT* x, int64_t ldx, int64_t K, const float* wt, int64_t KC, float* out) {
+inline void panel_bf16_fma(const XT* x, int64_t ldx, const c10::BFloat16* panel, int64_t KG, float* out) {
   __m512 acc[MB][4];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < KC; ++c) {
-    const float* p = wt + c * 64;
-    const __m512 w0 = _mm512_load_ps(p), w1 = _mm512_load_ps(p + 16), w2 = _mm512_load_ps(p + 32),
-                 w3 = _mm512_load_ps(p + 48);
-    const int64_t k = c * 16, rem = K - k;
-    const __mmask16 m = rem >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rem) - 1);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t g = 0; g < KG; ++g) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(panel) + g * 128;
+    __m512 we[4], wo[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i w = _mm512_load_si512(p + j * 32);
+      we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      wo[j] = _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask));
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
-      const __m512 xv = load_x16(x + i * ldx + k, m);
+      const __m512 x0 = _mm512_set1_ps(to_f(x[i * ldx + 2 * g])), x1 = _mm512_set1_ps(to_f(x[i * ldx + 2 * g + 1]));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(x1, wo[j], _mm512_fmadd_ps(x0, we[j], acc[i][j]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * kPanel + j * 16, acc[i][j]);
+}
+
+// fp32 panel: one k per 4 zmm.
+template <int MB, typename XT>
+inline void panel_f32(const XT* x, int64_t ldx, const float* panel, int64_t K, float* out) {
+  __m512 acc[MB][4];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* p = panel + k * kPanel;
+    const __m512 w0 = _mm512_load_ps(p), w1 = _mm512_load_ps(p + 16), w2 = _mm512_load_ps(p + 32),
+                 w3 = _mm512_load_ps(p + 48);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_set1_ps(to_f(x[i * ldx + k]));
       acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
       acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
@@ -46,138 +70,105 @@ inline void tile_f32w(const XT* x, int64_t ldx, int64_t K, const float* wt, int6
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < 4; ++j) out[i * 4 + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
-
-// bf16 W tiles: chunk c holds 32 bf16 of each of the 4 rows; fp32 x uses FMA on both halves.
-template <int MB>
-inline void tile_bf16w_f32x(const float* x, int64_t ldx, int64_t K, const c10::BFloat16* wt, int64_t KC,
-                            float* out) {
-  __m512 acc[MB][4];
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < KC; ++c) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(wt) + c * 128;
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m512 w[4];
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j)
-        w[j] = bf16x16_to_f32(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + j * 32 + h * 16)));
-      const int64_t k = c * 32 + h * 16, rem = K - k;
-      const __mmask16 m = rem >= 16 ? (__mmask16)0xFFFF : rem <= 0 ? (__mmask16)0 : (__mmask16)((1u << rem) - 1);
-#pragma GCC unroll 8
-      for (int i = 0; i < MB; ++i) {
-        const __m512 xv = _mm512_maskz_loadu_ps(m, x + i * ldx + k);
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < 4; ++j) out[i * 4 + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * kPanel + j * 16, acc[i][j]);
 }
 
 #if defined(__AVX512BF16__)
-// bf16 x and bf16 W on the AVX512-BF16 dot-product instruction (pairs accumulated in fp32).
+// bf16 x and bf16 panel on vdpbf16ps: each lane adds x[2g] w[2g] + x[2g+1] w[2g+1].
 template <int MB>
-inline void tile_bf16dp(const c10::BFloat16* x, int64_t ldx, int64_t K, const c10::BFloat16* wt, int64_t KC,
-                        float* out) {
+inline void panel_bf16_dp(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t KG, float* out) {
   __m512 acc[MB][4];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < KC; ++c) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(wt) + c * 128;
-    const __m512i w0 = _mm512_load_si512(p), w1 = _mm512_load_si512(p + 32), w2 = _mm512_load_si512(p + 64),
-                  w3 = _mm512_load_si512(p + 96);
-    const int64_t k = c * 32, rem = K - k;
-    const __mmask32 m = rem >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << rem) - 1);
+  for (int64_t g = 0; g < KG; ++g) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(panel) + g * 128;
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(p), w1 = (__m512bh)_mm512_load_si512(p + 32),
+                   w2 = (__m512bh)_mm512_load_si512(p + 64), w3 = (__m512bh)_mm512_load_si512(p + 96);
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + i * ldx + k);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, (__m512bh)w0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, (__m512bh)w1);
-      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], xv, (__m512bh)w2);
-      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], xv, (__m512bh)w3);
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + 2 * g, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xb, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xb, w1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], xb, w2);
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], xb, w3);
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < 4; ++j) out[i * 4 + j] = _mm512_reduce_add_ps(acc[i][j]);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * kPanel + j * 16, acc[i][j]);
 }
 #endif
 #endif  // __AVX512F__
 
-// Portable tile: 16 partial sums per output in lane order, reduced pairwise (a fixed order).
+// Portable panel kernel: each output accumulates sequentially over k (pairs for bf16 panels).
 template <int MB, typename XT, typename WT>
-inline void tile_scalar(const XT* x, int64_t ldx, int64_t K, const WT* wt, int64_t KC, float* out) {
-  constexpr int64_t CH = kChunkBytes / sizeof(WT);
+inline void panel_scalar(const XT* x, int64_t ldx, const WT* panel, int64_t K, float* out) {
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < 4; ++j) {
-      float part[16] = {0};
-      for (int64_t c = 0; c < KC; ++c)
-        for (int64_t l = 0; l < CH; ++l) {
-          const int64_t k = c * CH + l;
-          if (k < K) part[k & 15] += to_f(x[i * ldx + k]) * to_f(wt[(c * 4 + j) * CH + l]);
-        }
-      for (int s = 8; s > 0; s >>= 1)
-        for (int l = 0; l < s; ++l) part[l] += part[l + s];
-      out[i * 4 + j] = part[0];
+    for (int64_t r = 0; r < kPanel; ++r) {
+      float s = 0.f;
+      if constexpr (std::is_same_v<WT, float>) {
+        for (int64_t k = 0; k < K; ++k) s += to_f(x[i * ldx + k]) * panel[k * kPanel + r];
+      } else {
+        for (int64_t g = 0; g < K / 2; ++g)
+          s += to_f(x[i * ldx + 2 * g]) * bf16_at(panel + (g * kPanel + r) * 2) +
+               to_f(x[i * ldx + 2 * g + 1]) * bf16_at(panel + (g * kPanel + r) * 2 + 1);
+      }
+      out[i * kPanel + r] = s;
     }
 }
 
 template <int MB, typename XT, typename WT>
-inline void tile(const XT* x, int64_t ldx, int64_t K, const WT* wt, int64_t KC, float* out) {
+inline void panel_kernel(const XT* x, int64_t ldx, const WT* panel, int64_t Kp, float* out) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<WT, float>) {
-    tile_f32w<MB>(x, ldx, K, wt, KC, out);
-    return;
-  } else if constexpr (std::is_same_v<XT, float>) {
-    tile_bf16w_f32x<MB>(x, ldx, K, wt, KC, out);
-    return;
-  }
+    panel_f32<MB>(x, ldx, panel, Kp, out);
+  } else {
 #if defined(__AVX512BF16__)
-  else {
-    tile_bf16dp<MB>(x, ldx, K, wt, KC, out);
-    return;
+    if constexpr (std::is_same_v<XT, c10::BFloat16>) {
+      panel_bf16_dp<MB>(x, ldx, panel, Kp / 2, out);
+      return;
+    }
+#endif
+    panel_bf16_fma<MB>(x, ldx, panel, Kp / 2, out);
   }
+#else
+  panel_scalar<MB>(x, ldx, panel, Kp, out);
 #endif
-#endif
-  tile_scalar<MB>(x, ldx, K, wt, KC, out);
 }
 
 template <typename XT, typename WT>
-inline void tile_rows(int mb, const XT* x, int64_t ldx, int64_t K, const WT* wt, int64_t KC, float* out) {
+inline void panel_rows(int mb, const XT* x, int64_t ldx, const WT* panel, int64_t Kp, float* out) {
   switch (mb) {
-    case 4: tile<4>(x, ldx, K, wt, KC, out); break;
-    case 3: tile<3>(x, ldx, K, wt, KC, out); break;
-    case 2: tile<2>(x, ldx, K, wt, KC, out); break;
-    default: tile<1>(x, ldx, K, wt, KC, out); break;
+    case 6: panel_kernel<6>(x, ldx, panel, Kp, out); break;
+    case 5: panel_kernel<5>(x, ldx, panel, Kp, out); break;
+    case 4: panel_kernel<4>(x, ldx, panel, Kp, out); break;
+    case 3: panel_kernel<3>(x, ldx, panel, Kp, out); break;
+    case 2: panel_kernel<2>(x, ldx, panel, Kp, out); break;
+    default: panel_kernel<1>(x, ldx, panel, Kp, out); break;
   }
 }
 
+inline int64_t k_align(const at::Tensor& w) { return w.scalar_type() == at::kBFloat16 ? 2 : 1; }
+
 template <typename XT, typename WT, typename OT>
-void linear_impl(const XT* x, const WT* wp, OT* y, int64_t M, int64_t N, int64_t K, int64_t NT, int64_t KC) {
-  constexpr int64_t CH = kChunkBytes / sizeof(WT);
-  at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
-    float acc[16];
-    for (int64_t t = t0; t < t1; ++t) {
-      const WT* wt = wp + t * KC * kTileRows * CH;
-      const int64_t n0 = t * kTileRows;
-      const int nb = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int mb = static_cast<int>(std::min<int64_t>(4, M - m0));
-        tile_rows(mb, x + m0 * K, K, K, wt, KC, acc);
+void linear_impl(const XT* x, int64_t Kp, const WT* wp, OT* y, int64_t M, int64_t N) {
+  const int64_t NP = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float acc[kMaxRows * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const WT* panel = wp + p * Kp * kPanel;
+      const int64_t n0 = p * kPanel, nb = std::min<int64_t>(kPanel, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+        panel_rows(mb, x + m0 * Kp, Kp, panel, Kp, acc);
         for (int i = 0; i < mb; ++i)
-          for (int j = 0; j < nb; ++j) y[(m0 + i) * N + n0 + j] = from_f<OT>(acc[i * 4 + j]);
+          for (int64_t j = 0; j < nb; ++j) y[(m0 + i) * N + n0 + j] = from_f<OT>(acc[i * kPanel + j]);
       }
     }
   });
@@ -185,45 +176,41 @@ void linear_impl(const XT* x, const WT* wp, OT* y, int64_t M, int64_t N, int64_t
 
 }  // namespace
 
-// w [N, K] float -> packed [ceil(N/4), ceil(K/CH), 4, CH] (CH elements = 64 bytes), zero padded.
+// w [N, K] float -> packed: bf16 [ceil(N/64), ceil(K/2), 64, 2]; fp32 [ceil(N/64), K, 64, 1] (zero padded).
 at::Tensor float_pack(const at::Tensor& w_in) {
   check_float_dtype(w_in, "w");
   TORCH_CHECK(w_in.dim() == 2, "w must be [N, K]");
   auto w = w_in.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), es = w.element_size(), CH = kChunkBytes / es;
-  const int64_t NT = (N + kTileRows - 1) / kTileRows, KC = (K + CH - 1) / CH;
-  auto packed = at::zeros({NT, KC, kTileRows, CH}, w.options());
+  const int64_t N = w.size(0), K = w.size(1), A = k_align(w);
+  const int64_t NP = (N + kPanel - 1) / kPanel, KG = (K + A - 1) / A;
+  auto packed = at::zeros({NP, KG, kPanel, A}, w.options());
+  const int64_t es = w.element_size();
   const char* src = static_cast<const char*>(w.data_ptr());
   char* dst = static_cast<char*>(packed.data_ptr());
-  at::parallel_for(0, NT, 64, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t r = 0; r < kTileRows && t * kTileRows + r < N; ++r)
-        for (int64_t c = 0; c < KC; ++c) {
-          const int64_t k0 = c * CH, n = std::min(CH, K - k0);
-          std::memcpy(dst + ((t * KC + c) * kTileRows + r) * kChunkBytes, src + ((t * kTileRows + r) * K + k0) * es,
-                      n * es);
-        }
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t r = 0; r < kPanel && p * kPanel + r < N; ++r)
+        for (int64_t k = 0; k < K; ++k)
+          std::memcpy(dst + (((p * KG + k / A) * kPanel + r) * A + k % A) * es, src + ((p * kPanel + r) * K + k) * es,
+                      es);
   });
   return packed;
 }
 
 // Rows `ids` of the original [N, K] matrix, read from its packed form (a tied embedding).
 at::Tensor float_packed_rows(const at::Tensor& packed, const at::Tensor& ids_in, int64_t K) {
-  const int64_t NT = packed.size(0), KC = packed.size(1), CH = packed.size(3);
+  const int64_t NP = packed.size(0), KG = packed.size(1), A = packed.size(3);
   auto ids = ids_in.to(at::kLong).contiguous();
-  const int64_t T = ids.numel();
+  const int64_t T = ids.numel(), es = packed.element_size();
   auto out = at::empty({T, K}, packed.options());
   const int64_t* ip = ids.data_ptr<int64_t>();
-  const int64_t es = packed.element_size();
   const char* src = static_cast<const char*>(packed.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
   for (int64_t i = 0; i < T; ++i) {
-    const int64_t n = ip[i], t = n / kTileRows, r = n % kTileRows;
-    TORCH_CHECK(n >= 0 && t < NT, "row id ", n, " out of range");
-    for (int64_t c = 0; c < KC; ++c) {
-      const int64_t k0 = c * CH, len = std::min(CH, K - k0);
-      std::memcpy(dst + (i * K + k0) * es, src + ((t * KC + c) * kTileRows + r) * kChunkBytes, len * es);
-    }
+    const int64_t n = ip[i], p = n / kPanel, r = n % kPanel;
+    TORCH_CHECK(n >= 0 && p < NP, "row id ", n, " out of range");
+    for (int64_t k = 0; k < K; ++k)
+      std::memcpy(dst + (i * K + k) * es, src + (((p * KG + k / A) * kPanel + r) * A + k % A) * es, es);
   }
   return out;
 }
@@ -232,10 +219,12 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_
                         c10::optional<at::ScalarType> out_dtype) {
   check_float_dtype(x_in, "x");
   check_float_dtype(packed, "packed");
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous(), "packed weight expected from float_pack");
-  const int64_t K = x_in.size(-1), NT = packed.size(0), KC = packed.size(1), CH = packed.size(3);
-  TORCH_CHECK(KC * CH >= K && KC * CH - K < CH && NT == (N + kTileRows - 1) / kTileRows, "x / packed weight mismatch");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kPanel,
+              "packed weight expected from float_pack");
+  const int64_t K = x_in.size(-1), NP = packed.size(0), Kp = packed.size(1) * packed.size(3);
+  TORCH_CHECK(Kp >= K && Kp - K < packed.size(3) && NP == (N + kPanel - 1) / kPanel, "x / packed weight mismatch");
   auto x = x_in.reshape({-1, K}).contiguous();
+  if (Kp != K) x = at::constant_pad_nd(x, {0, Kp - K});   // odd K with bf16 pairs
   const int64_t M = x.size(0);
   auto odt = out_dtype.value_or(x.scalar_type());
   auto sizes = x_in.sizes().vec();
@@ -247,8 +236,7 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_
     QK_DISPATCH_FLOAT(packed.scalar_type(), "float_linear", [&] {
       using WT = scalar_t;
       QK_DISPATCH_FLOAT(odt, "float_linear", [&] {
-        linear_impl<XT, WT, scalar_t>(x.data_ptr<XT>(), packed.data_ptr<WT>(), y.data_ptr<scalar_t>(), M, N, K, NT,
-                                      KC);
+        linear_impl<XT, WT, scalar_t>(x.data_ptr<XT>(), Kp, packed.data_ptr<WT>(), y.data_ptr<scalar_t>(), M, N);
       });
     });
   });

@@ -13,6 +13,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale);
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping);
 void tq_write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_codes, at::Tensor& k_scales,
               at::Tensor& v_codes, at::Tensor& v_scales, const at::Tensor& slot_mapping, const at::Tensor& R,
               const at::Tensor& cents, const at::Tensor& bounds);
@@ -38,6 +40,8 @@ TORCH_LIBRARY(qwen3_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale) -> Tensor",
         &qk::paged_attention);
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+        &qk::write_kv);
   m.def("tq_write(Tensor k, Tensor v, Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) v_codes, "
         "Tensor(d!) v_scales, Tensor slot_mapping, Tensor rotation, Tensor centroids, Tensor boundaries) -> ()",
         &qk::tq_write);

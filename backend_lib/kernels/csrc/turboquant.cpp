@@ -4,14 +4,14 @@
 //
 // Layout per layer: codes uint8 [pages, kv_heads, page_size, d/2] with byte c = idx[c] | idx[c+d/2] << 4,
 // scales fp32 [pages, kv_heads, page_size] = ||x|| / ||centroids[idx]||.
-#include "common.h"
+#include "attention_common.h"
 #include <vector>
 
 namespace qk {
 namespace {
 
-constexpr int kMaxD = 256;
-constexpr int kMaxG = 16;
+constexpr int kMaxD = kMaxHeadDim;
+constexpr int kMaxG = kMaxGroup;
 
 // y[j] = sum_i x[i] * R[i][j] (row vector times R), accumulated over i in order.
 inline void rotate_row(const float* x, const float* R, int64_t D, float* y) {
@@ -86,19 +86,11 @@ inline void unpack_row(const uint8_t* codes, const float* cents, int64_t D, floa
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
-  float part[16] = {0};
-  for (int64_t d = 0; d < D; ++d) part[d & 15] += a[d] * b[d];
-  for (int s = 8; s > 0; s >>= 1)
-    for (int l = 0; l < s; ++l) part[l] += part[l + s];
-  return part[0];
-}
-
 template <typename QT>
 void tq_attend_row(const QT* q, int64_t q_stride, const uint8_t* kc, const float* ks, const uint8_t* vc,
                    const float* vs, const int32_t* block_table, int64_t kv_head, int64_t n_keys, int64_t KVH,
                    int64_t S, int64_t D, int G, const float* R, const float* cents, float sm_scale, QT* out) {
-  float qf[kMaxD], qr[kMaxG][kMaxD], acc[kMaxG][kMaxD], row[kMaxD];
+  alignas(64) float qf[kMaxD], qr[kMaxG][kMaxD], acc[kMaxG][kMaxD], row[kMaxD];
   float mx[kMaxG], den[kMaxG];
   static thread_local std::vector<float> sbuf;
   sbuf.resize(static_cast<size_t>(kMaxG) * S);
@@ -112,36 +104,21 @@ void tq_attend_row(const QT* q, int64_t q_stride, const uint8_t* kc, const float
   }
   const int64_t hd = D / 2;
   const int64_t n_pages = (n_keys + S - 1) / S;
+  float pv[kMaxG];
   for (int64_t p = 0; p < n_pages; ++p) {
     const int64_t page = block_table[p];
     const int64_t nk = std::min(S, n_keys - p * S);
     const int64_t base = (page * KVH + kv_head) * S;
     for (int64_t j = 0; j < nk; ++j) {
       unpack_row(kc + (base + j) * hd, cents, D, row);
-      const float sc = ks[base + j] * sm_scale;
-      for (int h = 0; h < G; ++h) scores[h * S + j] = dot(qr[h], row, D) * sc;
+      score_row(qr, G, row, D, ks[base + j] * sm_scale, scores + j, S);
     }
-    for (int h = 0; h < G; ++h) {
-      float bm = mx[h];
-      for (int64_t j = 0; j < nk; ++j) bm = std::max(bm, scores[h * S + j]);
-      const float alpha = std::exp(mx[h] - bm);
-      den[h] *= alpha;
-      for (int64_t d = 0; d < D; ++d) acc[h][d] *= alpha;
-      for (int64_t j = 0; j < nk; ++j) {
-        const float e = std::exp(scores[h * S + j] - bm);
-        scores[h * S + j] = e;
-        den[h] += e;
-      }
-      mx[h] = bm;
-    }
+    softmax_block(scores, S, nk, G, mx, den, acc, D);
     for (int64_t j = 0; j < nk; ++j) {
       unpack_row(vc + (base + j) * hd, cents, D, row);
       const float vsj = vs[base + j];
-      for (int h = 0; h < G; ++h) {
-        const float w = scores[h * S + j] * vsj;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[h][d] += w * row[d];
-      }
+      for (int h = 0; h < G; ++h) pv[h] = scores[h * S + j] * vsj;
+      accumulate_row(acc, G, pv, 1, row, D);
     }
   }
   for (int h = 0; h < G; ++h) {

