@@ -65,8 +65,8 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
-        if self.page_size > 1024:
-            raise ValueError(f"page_size: at most 1024, got {self.page_size}")
+        if self.page_size > 1024 or self.page_size % 16:
+            raise ValueError(f"page_size: a multiple of 16 up to 1024, got {self.page_size}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len: must be > 1, got {self.max_model_len}")
         if self.kernels not in ("auto", "reference", "cpu"):

@@ -69,7 +69,7 @@ SERVER_ENGINE = {"page_size": "16", "kv_cache_memory": "64MiB", "max_model_len":
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     """The real tritonserver serving every model of model_repository/ on the tiny test checkpoints."""
-    from triton_server import TritonServer, make_repository
+    from backend_lib.serving.server_process import TritonServer, make_repository
 
     root = tmp_path_factory.mktemp("triton")
     repo = make_repository(root / "models", {

@@ -49,7 +49,8 @@ def test_rms_norm_and_fused_add(dtype):
 def _paged_setup(dtype, seq_lens, q_lens, page_size=16, kvh=2, h=8, d=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     n_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    k_cache = torch.randn(n_pages, kvh, page_size, d, generator=g).to(dtype)
+    kw = ref.key_block_width(page_size)
+    k_cache = torch.randn(n_pages, kvh, page_size // kw, d, kw, generator=g).to(dtype)   # blocked K
     v_cache = torch.randn(n_pages, kvh, page_size, d, generator=g).to(dtype)
     perm = torch.randperm(n_pages, generator=g).tolist()  # pages scattered, not contiguous
     tables, qsl = [], [0]
@@ -66,18 +67,21 @@ def _paged_setup(dtype, seq_lens, q_lens, page_size=16, kvh=2, h=8, d=64, seed=0
     return q, k_cache, v_cache, bt, torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("page_size", [16, 32])   # key blocks of 16 and of 32
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_prefill_and_decode_across_pages_with_gqa(dtype):
-    # sequence 0: decode at 50 tokens; 1: a prefill chunk of 20 on top of 13 cached; 2: whole prompt of 40
-    args = _paged_setup(dtype, seq_lens=[50, 33, 40], q_lens=[1, 20, 40])
+def test_paged_attention_prefill_and_decode_across_pages_with_gqa(dtype, page_size):
+    # sequence 0: decode at 50 tokens; 1: a prefill chunk of 20 on top of 13 cached; 2: whole prompt of 40;
+    # 3: a long prompt in one chunk (row blocks of several query positions)
+    args = _paged_setup(dtype, seq_lens=[50, 33, 40, 100], q_lens=[1, 20, 40, 100], page_size=page_size)
     out = CPU.paged_attention(*args, 0.125)
     exp = ref.paged_attention(*args, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), exp.float(), rtol=tol, atol=tol)
 
 
-def test_paged_attention_row_is_identical_in_chunk_prefill_and_decode():
-    q, kc, vc, bt, _, _ = _paged_setup(torch.float32, seq_lens=[45], q_lens=[45])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_attention_row_is_identical_in_chunk_prefill_and_decode(page_size):
+    q, kc, vc, bt, _, _ = _paged_setup(torch.float32, seq_lens=[45], q_lens=[45], page_size=page_size)
     whole = CPU.paged_attention(q, kc, vc, bt, torch.tensor([0, 45], dtype=torch.int32),
                                 torch.tensor([45], dtype=torch.int32), 0.1)
     # the same rows computed as a chunk (rows 30..44) and as single decode steps
@@ -151,3 +155,26 @@ def test_rotary_matches_transformers_formula():
     rot = lambda t: torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1)
     torch.testing.assert_close(rq, q * cos + rot(q) * sin)
     torch.testing.assert_close(rk, k * cos + rot(k) * sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_qk_norm_rope_and_silu_mul_match_reference(dtype):
+    from backend_lib.kernels.reference import rotary_cos_sin
+    g = torch.Generator().manual_seed(6)
+    H, KVH, D = 8, 2, 64
+    qkv = torch.randn(11, (H + 2 * KVH) * D, generator=g).to(dtype)
+    qw, kw = torch.rand(D, generator=g).to(dtype) + 0.5, torch.rand(D, generator=g).to(dtype) + 0.5
+    cs = rotary_cos_sin(D, 100, 1e6)
+    pos = torch.tensor([0, 1, 2, 5, 9, 17, 33, 50, 64, 98, 99])
+    got = CPU.qk_norm_rope(qkv, qw, kw, pos, cs, H, KVH, 1e-6)
+    exp = ref.qk_norm_rope(qkv, qw, kw, pos, cs, H, KVH, 1e-6)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    for a, b in zip(got, exp):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, **tol)
+    assert torch.equal(got[2], exp[2])
+    one = CPU.qk_norm_rope(qkv[4:5], qw, kw, pos[4:5], cs, H, KVH, 1e-6)
+    assert all(torch.equal(a[0], b[4]) for a, b in zip(one, got))
+    x = torch.randn(7, 2 * 96, generator=g).to(dtype) * 3
+    torch.testing.assert_close(CPU.silu_mul(x), ref.silu_mul(x), **tol)
+    assert torch.equal(CPU.silu_mul(x[2:3])[0], CPU.silu_mul(x)[2])

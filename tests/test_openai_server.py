@@ -17,7 +17,7 @@ from backend_lib.tokenizer import Tokenizer
 from client.stream import stream_generate
 from conftest import ROOT
 from test_ensembles import tokenizer_model
-from triton_server import free_port
+from backend_lib.serving.server_process import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 PROMPT = "The quick brown fox jumps over the lazy dog"

@@ -34,13 +34,16 @@ def test_rotations_are_orthogonal_seeded_and_per_layer():
 def _encode_with(kernels, x, rot, cents, bounds):
     """Encodes rows [N, d] through a kernel set's paged write; returns codes, scales."""
     n, d = x.shape
-    k_codes = torch.zeros(n, 1, 1, d // 2, dtype=torch.uint8)
-    k_scales = torch.zeros(n, 1, 1)
-    v_codes, v_scales = torch.zeros_like(k_codes), torch.zeros_like(k_scales)
+    pages = -(-n // 16)
+    k_codes = torch.zeros(pages, 1, 1, d // 2, 16, dtype=torch.uint8)   # [P, KVH, S/KW, D/2, KW], S = 16
+    v_codes = torch.zeros(pages, 1, 16, d // 2, dtype=torch.uint8)      # [P, KVH, S, D/2]
+    k_scales, v_scales = torch.zeros(pages, 1, 16), torch.zeros(pages, 1, 16)
     kernels.tq_write(x[:, None], x[:, None], k_codes, k_scales, v_codes, v_scales, torch.arange(n), rot, cents,
                      bounds)
-    assert torch.equal(k_codes, v_codes)
-    return k_codes[:, 0, 0], k_scales[:, 0, 0]
+    k_rows = ref.key_blocks_to_rows(k_codes).reshape(-1, d // 2)[:n]
+    v_rows = v_codes.reshape(-1, d // 2)[:n]
+    assert torch.equal(k_rows, v_rows) and torch.equal(k_scales, v_scales)
+    return v_rows, v_scales.reshape(-1)[:n]
 
 
 @pytest.mark.parametrize("d", [128, 64])
@@ -112,21 +115,28 @@ def _tq_setup(seq_lens, q_lens, d=64, kvh=2, h=8, page_size=16, seed=0):
     return cache, q, bt, torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("kernels", [REFERENCE, CPU], ids=lambda k: k.name)
-def test_rotated_space_attention_equals_dequantize_then_attend(kernels):
-    # decode at 50 (4 pages), a prefill chunk of 20 over 13 cached tokens, a whole 40-token prompt; GQA 4:1
-    cache, q, bt, qsl, lens = _tq_setup([50, 33, 40], [1, 20, 40])
+def test_rotated_space_attention_equals_dequantize_then_attend(kernels, page_size):
+    # decode at 50 (several pages), a prefill chunk of 20 over 13 cached tokens, whole prompts of 40 and 90;
+    # GQA 4:1
+    cache, q, bt, qsl, lens = _tq_setup([50, 33, 40, 90], [1, 20, 40, 90], page_size=page_size)
     rot, cents = cache.rotations[0], cache.centroids
     got = kernels.tq_paged_attention(q, cache.k_codes[0], cache.k_scales[0], cache.v_codes[0], cache.v_scales[0], bt,
                                      qsl, lens, rot, cents, 0.125)
-    k_dense = ref.tq_decode(cache.k_codes[0], cache.k_scales[0], rot, cents)   # back to the original space
+    k_rows = ref.key_blocks_to_rows(cache.k_codes[0])                           # [P, KVH, S, D/2]
+    k_dense = ref.tq_decode(k_rows, cache.k_scales[0], rot, cents)             # back to the original space
     v_dense = ref.tq_decode(cache.v_codes[0], cache.v_scales[0], rot, cents)
+    p, h, s, d = k_dense.shape
+    kw = ref.key_block_width(s)
+    k_dense = k_dense.reshape(p, h, s // kw, kw, d).transpose(3, 4).contiguous()   # the dense blocked K layout
     expected = ref.paged_attention(q, k_dense, v_dense, bt, qsl, lens, 0.125)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_tq_attention_row_is_batch_and_chunk_invariant():
-    cache, q, bt, _, _ = _tq_setup([45], [45])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_tq_attention_row_is_batch_and_chunk_invariant(page_size):
+    cache, q, bt, _, _ = _tq_setup([45], [45], page_size=page_size)
     args = (cache.k_codes[0], cache.k_scales[0], cache.v_codes[0], cache.v_scales[0])
     rot, cents = cache.rotations[0], cache.centroids
     whole = CPU.tq_paged_attention(q, *args, bt, torch.tensor([0, 45], dtype=torch.int32),

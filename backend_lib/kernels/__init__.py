@@ -24,6 +24,7 @@ class Kernels:
     rms_norm: Callable
     add_rms_norm: Callable
     rotary: Callable
+    qk_norm_rope: Callable      # (qkv, q_w, k_w, positions, cos_sin, H, KVH, eps) -> (q, k, v)
     silu_mul: Callable
     quantize_per_token: Callable
     a8w8_prepare: Callable      # (w_q int8 [N, K], w_scale fp32 [N]) -> the weight in this kernel set's form
@@ -42,6 +43,7 @@ REFERENCE = Kernels(
     rms_norm=reference.rms_norm,
     add_rms_norm=reference.add_rms_norm,
     rotary=reference.rotary,
+    qk_norm_rope=reference.qk_norm_rope,
     silu_mul=reference.silu_mul,
     quantize_per_token=reference.quantize_per_token,
     a8w8_prepare=lambda w_q, w_scale: (w_q, w_scale),
@@ -64,6 +66,8 @@ def _cpu_kernels() -> Kernels:
         a8w8_prepare=lambda w_q, w_scale: (ops.a8w8_pack(w_q), w_scale.float().contiguous(), ops.a8w8_colsum(w_q)),
         a8w8_linear=lambda x, prepared: ops.a8w8_linear(x, *prepared),
         rms_norm=ops.rms_norm,
+        qk_norm_rope=ops.qk_norm_rope,
+        silu_mul=ops.silu_mul,
         add_rms_norm=ops.add_rms_norm,
         float_prepare=lambda w: (ops.float_pack(w), w.shape[0], w.shape[1]),
         float_linear=lambda x, p, out_dtype=None: ops.float_linear(x, p[0], p[1], out_dtype),

@@ -3,7 +3,9 @@
 Shapes used throughout (T = tokens in the step, B = sequences in the step):
   hidden x            [T, K]
   q / k / v           [T, H, D] / [T, KVH, D] / [T, KVH, D]
-  dense KV cache      [num_pages, KVH, page_size, D] per layer, K and V separately
+  dense KV cache      K [num_pages, KVH, page_size / KW, D, KW]: blocks of KW keys (32, or 16 when the
+                      page size is not a multiple of 32), transposed, so a vector holds one dimension of
+                      consecutive keys; V [num_pages, KVH, page_size, D]; per layer
   block_tables        [B, max_pages] int32 (page ids of each sequence, padded)
   query_start_loc     [B + 1] int32 (row offsets of each sequence's queries in q)
   seq_lens            [B] int32 (tokens in the cache for the sequence after this step)
@@ -90,20 +92,36 @@ def float_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None
     return y.to(out_dtype or x.dtype)
 
 
+def key_block_width(page_size: int) -> int:
+    return 32 if page_size % 32 == 0 else 16
+
+
+def key_blocks_to_rows(k_cache: torch.Tensor) -> torch.Tensor:
+    """[P, KVH, S/KW, X, KW] blocked keys -> [P, KVH, S, X] rows (a copy)."""
+    p, h, nb, x, kw = k_cache.shape
+    return k_cache.permute(0, 1, 2, 4, 3).reshape(p, h, nb * kw, x)
+
+
 def write_kv(k, v, k_cache, v_cache, slot_mapping):
-    """Scatter new K/V rows [T, KVH, D] into the paged caches at slot_mapping."""
-    num_pages, kvh, page_size, d = k_cache.shape
+    """Scatter new K/V rows [T, KVH, D] into the paged caches at slot_mapping (K blocked and transposed)."""
+    page_size = v_cache.shape[2]
+    kw = k_cache.shape[-1]
     pages = slot_mapping // page_size
     offs = slot_mapping % page_size
-    k_cache[pages, :, offs] = k.to(k_cache.dtype)
+    k_cache[pages, :, offs // kw, :, offs % kw] = k.to(k_cache.dtype)
     v_cache[pages, :, offs] = v.to(v_cache.dtype)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` rows of one sequence from a paged cache, as [KVH, length, D]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, blocked: bool = False):
+    """The first `length` rows of one sequence from a paged cache, as [KVH, length, X].
+
+    cache: [P, KVH, S, X], or the blocked key layout [P, KVH, S/KW, X, KW] with blocked=True.
+    """
+    if blocked:
+        cache = key_blocks_to_rows(cache)
     page_size = cache.shape[2]
     n_pages = (length + page_size - 1) // page_size
-    pages = cache[block_table[:n_pages].long()]            # [n, KVH, S, D]
+    pages = cache[block_table[:n_pages].long()]            # [n, KVH, S, X]
     ctx = pages.permute(1, 0, 2, 3).reshape(cache.shape[1], n_pages * page_size, cache.shape[3])
     return ctx[:, :length]
 
@@ -136,7 +154,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         lo, hi = qsl[b], qsl[b + 1]
         if hi == lo:
             continue
-        k = gather_context(k_cache, block_tables[b], seq_len)
+        k = gather_context(k_cache, block_tables[b], seq_len, blocked=True)
         v = gather_context(v_cache, block_tables[b], seq_len)
         out[lo:hi] = attend(q[lo:hi], k, v, seq_len, scale).to(q.dtype)
     return out
@@ -194,12 +212,16 @@ def tq_decode(codes, scales, rotation, centroids) -> torch.Tensor:
 
 
 def tq_write(k, v, k_codes, k_scales, v_codes, v_scales, slot_mapping, rotation, centroids, boundaries):
-    page_size = k_codes.shape[2]
+    """Encode K/V rows into the pages: K codes [P, KVH, S/KW, D/2, KW] (blocked), V codes [P, KVH, S, D/2]."""
+    page_size = v_codes.shape[2]
+    kw = k_codes.shape[-1]
     pages, offs = slot_mapping // page_size, slot_mapping % page_size
-    for x, codes, scales in ((k, k_codes, k_scales), (v, v_codes, v_scales)):
-        c, s = tq_encode(x, rotation, centroids, boundaries)
-        codes[pages, :, offs] = c
-        scales[pages, :, offs] = s
+    c, s = tq_encode(k, rotation, centroids, boundaries)
+    k_codes[pages, :, offs // kw, :, offs % kw] = c
+    k_scales[pages, :, offs] = s
+    c, s = tq_encode(v, rotation, centroids, boundaries)
+    v_codes[pages, :, offs] = c
+    v_scales[pages, :, offs] = s
 
 
 def tq_paged_attention(q, k_codes, k_scales, v_codes, v_scales, block_tables, query_start_loc, seq_lens, rotation,
@@ -211,7 +233,7 @@ def tq_paged_attention(q, k_codes, k_scales, v_codes, v_scales, block_tables, qu
         lo, hi = qsl[b], qsl[b + 1]
         if hi == lo:
             continue
-        k_rot = centroids[tq_unpack(gather_context(k_codes, block_tables[b], seq_len))] \
+        k_rot = centroids[tq_unpack(gather_context(k_codes, block_tables[b], seq_len, blocked=True))] \
             * gather_context(k_scales[..., None], block_tables[b], seq_len)
         v_rot = centroids[tq_unpack(gather_context(v_codes, block_tables[b], seq_len))] \
             * gather_context(v_scales[..., None], block_tables[b], seq_len)
@@ -219,3 +241,14 @@ def tq_paged_attention(q, k_codes, k_scales, v_codes, v_scales, block_tables, qu
         o_rot = attend(q_rot, k_rot, v_rot, seq_len, scale)
         out[lo:hi] = (o_rot @ rotation.t()).to(q.dtype)
     return out
+
+
+def qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads: int, num_kv_heads: int, eps: float):
+    """Qwen3 attention prologue on the fused qkv projection: per-head q/k RMSNorm, RoPE; returns q, k, v."""
+    t = qkv.shape[0]
+    d = cos_sin.shape[1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q = rms_norm(q.reshape(t, num_heads, d), q_w, eps)
+    k = rms_norm(k.reshape(t, num_kv_heads, d), k_w, eps)
+    q, k = rotary(q, k, positions, cos_sin)
+    return q, k, v.reshape(t, num_kv_heads, d)

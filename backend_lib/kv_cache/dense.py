@@ -1,9 +1,12 @@
-"""The unquantized paged KV cache: K and V rows in the model dtype, [pages, kv_heads, page_size, head_dim]."""
+"""The unquantized paged KV cache in the model dtype: K [pages, kv_heads, page_size / KW, head_dim, KW]
+(blocks of KW keys, transposed, so a vector holds one dimension of consecutive keys), V [pages, kv_heads,
+page_size, head_dim]."""
 from __future__ import annotations
 
 import torch
 
 from ..kernels import Kernels
+from ..kernels.reference import key_block_width
 from .metadata import AttentionMetadata
 
 
@@ -14,9 +17,11 @@ class DenseKVCache:
                  dtype: torch.dtype, device: torch.device, kernels: Kernels):
         self.num_pages, self.page_size = num_pages, page_size
         self.kernels = kernels
-        shape = (num_pages, num_kv_heads, page_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        kw = key_block_width(page_size)
+        self.k = [torch.zeros((num_pages, num_kv_heads, page_size // kw, head_dim, kw), dtype=dtype, device=device)
+                  for _ in range(num_layers)]
+        self.v = [torch.zeros((num_pages, num_kv_heads, page_size, head_dim), dtype=dtype, device=device)
+                  for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

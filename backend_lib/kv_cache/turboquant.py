@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import Kernels
-from ..kernels.reference import tq_codebook, tq_layer_seed, tq_rotation
+from ..kernels.reference import key_block_width, tq_codebook, tq_layer_seed, tq_rotation
 from .metadata import AttentionMetadata
 
 
@@ -26,10 +26,14 @@ class TurboQuantKVCache:
         self.seed = seed
         self.centroids, self.boundaries = tq_codebook(head_dim, device)
         self.rotations = [tq_rotation(head_dim, tq_layer_seed(seed, i)).to(device) for i in range(num_layers)]
-        codes = (num_pages, num_kv_heads, page_size, head_dim // 2)
+        # K codes blocked and transposed within a page like the dense K (byte c of consecutive keys
+        # adjacent), V codes row by row
+        kw = key_block_width(page_size)
+        k_codes = (num_pages, num_kv_heads, page_size // kw, head_dim // 2, kw)
+        v_codes = (num_pages, num_kv_heads, page_size, head_dim // 2)
         scales = (num_pages, num_kv_heads, page_size)
-        self.k_codes = [torch.zeros(codes, dtype=torch.uint8, device=device) for _ in range(num_layers)]
-        self.v_codes = [torch.zeros(codes, dtype=torch.uint8, device=device) for _ in range(num_layers)]
+        self.k_codes = [torch.zeros(k_codes, dtype=torch.uint8, device=device) for _ in range(num_layers)]
+        self.v_codes = [torch.zeros(v_codes, dtype=torch.uint8, device=device) for _ in range(num_layers)]
         self.k_scales = [torch.zeros(scales, dtype=torch.float32, device=device) for _ in range(num_layers)]
         self.v_scales = [torch.zeros(scales, dtype=torch.float32, device=device) for _ in range(num_layers)]
 

@@ -22,12 +22,8 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache, meta):
         t = x.shape[0]
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-        q = self.kernels.rms_norm(q.reshape(t, h, d), self.q_norm, self.eps)
-        k = self.kernels.rms_norm(k.reshape(t, kvh, d), self.k_norm, self.eps)
-        q, k = self.kernels.rotary(q, k, positions, cos_sin)
-        kv_cache.write(self.layer_idx, k, v.reshape(t, kvh, d), meta)
+        q, k, v = self.kernels.qk_norm_rope(self.qkv_proj(x), self.q_norm, self.k_norm, positions, cos_sin,
+                                            self.num_heads, self.num_kv_heads, self.eps)
+        kv_cache.write(self.layer_idx, k, v, meta)
         o = kv_cache.attend(self.layer_idx, q, meta, self.scale)
-        return self.o_proj(o.reshape(t, h * d))
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

@@ -1,47 +1,83 @@
 // Paged causal attention over a dense (fp32 / bf16) KV cache, for prefill chunks and decode alike.
-//
-// One work item is (query row, KV head): the G query heads of the GQA group read each cached key
-// and value row once. Keys are visited page by page in position order with an online softmax, so
-// a query at position p gets bit-identical results whether it arrives in a prefill chunk, a whole
-// prompt or a decode step, and whatever else shares the batch.
+// Layout per layer: K [pages, kv_heads, page_size / KW, head_dim, KW] (blocked, transposed), V [pages,
+// kv_heads, page_size, head_dim]. See attention_common.h for the blocking and batch invariance.
 #include "attention_common.h"
-#include <vector>
 
 namespace qk {
 namespace {
 
-template <typename QT, typename CT>
-void attend_row(const QT* q, const CT* k_cache, const CT* v_cache, const int32_t* block_table, int64_t kv_head,
-                int64_t n_keys, int64_t KVH, int64_t S, int64_t D, int G, float scale, QT* out) {
-  alignas(64) float qv[kMaxGroup][kMaxHeadDim];
-  alignas(64) float acc[kMaxGroup][kMaxHeadDim];
-  float mx[kMaxGroup], den[kMaxGroup];
-  static thread_local std::vector<float> scores_buf;
-  scores_buf.resize(static_cast<size_t>(kMaxGroup) * S);
-  float* scores = scores_buf.data();
-  for (int h = 0; h < G; ++h) {
-    for (int64_t d = 0; d < D; ++d) {
-      qv[h][d] = to_f(q[h * D + d]);
-      acc[h][d] = 0.f;
+// Raw scores of one key block (KW keys) for NR rows: sum over d of q[r][d] * K[d][j], one FMA chain
+// per lane. kb points at the block: [D, KW] contiguous.
+template <int NR, int KW, typename CT>
+inline void score_dense(const RowBlock& rb, int r0, const CT* kb, int64_t D, float (*out)[kMaxKW]) {
+#if defined(__AVX512F__)
+  constexpr int V = KW / 16;
+  __m512 acc[NR][V];
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 kv[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) kv[v] = load16x(kb + d * KW + 16 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < NR; ++i) {
+      const __m512 qb = _mm512_set1_ps(rb.q[r0 + i][d]);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(qb, kv[v], acc[i][v]);
     }
-    mx[h] = -INFINITY;
-    den[h] = 0.f;
   }
-  const int64_t n_pages = (n_keys + S - 1) / S;
-  for (int64_t p = 0; p < n_pages; ++p) {
-    const int64_t page = block_table[p];
-    const int64_t nk = std::min(S, n_keys - p * S);
-    const CT* kp = k_cache + (page * KVH + kv_head) * S * D;
-    const CT* vp = v_cache + (page * KVH + kv_head) * S * D;
-    for (int64_t j = 0; j < nk; ++j) score_row(qv, G, kp + j * D, D, scale, scores + j, S);
-    softmax_block(scores, S, nk, G, mx, den, acc, D);
-    for (int64_t j = 0; j < nk; ++j) accumulate_row(acc, G, scores + j, S, vp + j * D, D);
-  }
-  for (int h = 0; h < G; ++h) {
-    const float inv = 1.0f / den[h];
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] = from_f<QT>(acc[h][d] * inv);
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) _mm512_store_ps(out[i] + 16 * v, acc[i][v]);
+#else
+  for (int i = 0; i < NR; ++i)
+    for (int l = 0; l < KW; ++l) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += rb.q[r0 + i][d] * to_f(kb[d * KW + l]);
+      out[i][l] = s;
+    }
+#endif
+}
+
+template <int KW, typename CT>
+inline void score_dense_rows(const RowBlock& rb, int r0, int nr, const CT* kb, int64_t D, float (*out)[kMaxKW]) {
+  switch (nr) {
+    case 8: score_dense<8, KW>(rb, r0, kb, D, out); break;
+    case 7: score_dense<7, KW>(rb, r0, kb, D, out); break;
+    case 6: score_dense<6, KW>(rb, r0, kb, D, out); break;
+    case 5: score_dense<5, KW>(rb, r0, kb, D, out); break;
+    case 4: score_dense<4, KW>(rb, r0, kb, D, out); break;
+    case 3: score_dense<3, KW>(rb, r0, kb, D, out); break;
+    case 2: score_dense<2, KW>(rb, r0, kb, D, out); break;
+    default: score_dense<1, KW>(rb, r0, kb, D, out); break;
   }
 }
+
+// Value rows of one page of a dense cache ([S, D]).
+template <typename CT>
+struct DenseValues {
+  const CT* page;
+  int64_t D;
+  void fold_scales(float*, int64_t) const {}
+  void row(int64_t j, float* out) const {
+    for (int64_t d = 0; d < D; ++d) out[d] = to_f(page[j * D + d]);
+  }
+#if defined(__AVX512F__)
+  template <int DC>
+  void full(int64_t j, __m512* v) const {
+#pragma GCC unroll 16
+    for (int c = 0; c < DC; ++c) v[c] = load16x(page + j * D + 16 * c);
+  }
+  std::pair<int64_t, int64_t> pair_dims(int64_t p) const { return {32 * p, 32 * p + 16}; }
+  void pair(int64_t j, int64_t p, __m512& va, __m512& vb) const {
+    va = load16x(page + j * D + 32 * p);
+    vb = load16x(page + j * D + 32 * p + 16);
+  }
+#endif
+};
 
 }  // namespace
 
@@ -51,27 +87,25 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   check_float_dtype(q_in, "q");
   check_float_dtype(k_cache, "k_cache");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
-  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4, "q must be [T, H, D] and caches [P, KVH, S, D]");
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 5, "q must be [T, H, D] and k_cache [P, KVH, S/KW, D, KW]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   auto q = q_in.contiguous();
   auto bt = block_tables_in.to(at::kInt).contiguous();
   auto qsl = query_start_loc_in.to(at::kInt).contiguous();
   auto lens = seq_lens_in.to(at::kInt).contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(1), S = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "head_dim mismatch between q and cache");
-  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
+  const int64_t KVH = k_cache.size(1), S = k_cache.size(2) * k_cache.size(4), KW = k_cache.size(4);
+  TORCH_CHECK(k_cache.size(3) == D && v_cache.size(3) == D && v_cache.size(2) == S && KW == key_block_width(S),
+              "cache shapes do not match q");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxRows && D <= kMaxHeadDim, "attention: unsupported shape");
   const int G = static_cast<int>(H / KVH);
-  TORCH_CHECK(G <= kMaxGroup && D <= kMaxHeadDim && S <= kMaxPage, "attention: unsupported shape");
-  const int64_t B = lens.size(0);
   auto out = at::empty_like(q);
   if (T == 0) return out;
   const int32_t* qs = qsl.data_ptr<int32_t>();
   const int32_t* ls = lens.data_ptr<int32_t>();
-  std::vector<int32_t> seq_of_row(T);
-  for (int64_t b = 0; b < B; ++b)
-    for (int32_t t = qs[b]; t < qs[b + 1]; ++t) seq_of_row[t] = static_cast<int32_t>(b);
+  const auto items = make_items(qs, lens.size(0), KVH, G);
   const int64_t max_pages = bt.size(1);
+  const float sm = static_cast<float>(scale);
   QK_DISPATCH_FLOAT(q.scalar_type(), "paged_attention", [&] {
     using QT = scalar_t;
     QK_DISPATCH_FLOAT(k_cache.scalar_type(), "paged_attention", [&] {
@@ -81,15 +115,34 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       const CT* kc = k_cache.data_ptr<CT>();
       const CT* vc = v_cache.data_ptr<CT>();
       const int32_t* btp = bt.data_ptr<int32_t>();
-      at::parallel_for(0, T * KVH, 1, [&](int64_t i0, int64_t i1) {
-        for (int64_t item = i0; item < i1; ++item) {
-          const int64_t t = item / KVH, g = item % KVH;
-          const int64_t b = seq_of_row[t];
-          const int64_t n_q = qs[b + 1] - qs[b];
-          const int64_t pos = ls[b] - n_q + (t - qs[b]);
-          const int64_t off = (t * H + g * G) * D;
-          attend_row<QT, CT>(qp + off, kc, vc, btp + b * max_pages, g, pos + 1, KVH, S, D, G,
-                             static_cast<float>(scale), op + off);
+      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+        RowBlock rb;
+        for (int64_t it = i0; it < i1; ++it) {
+          const WorkItem& w = items[it];
+          const int64_t first_pos = ls[w.seq] - (qs[w.seq + 1] - qs[w.seq]) + (w.t0 - qs[w.seq]);
+          rb.n = w.nq * G;
+          for (int i = 0; i < w.nq; ++i)
+            for (int h = 0; h < G; ++h) {
+              const int r = i * G + h;
+              rb.n_keys[r] = first_pos + i + 1;
+              const QT* src = qp + ((w.t0 + i) * H + w.kv_head * G + h) * D;
+              for (int64_t d = 0; d < D; ++d) rb.q[r][d] = to_f(src[d]);
+            }
+          rb.reset(D);
+          auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
+            const CT* kb = kc + ((page * KVH + w.kv_head) * S + block * KW) * D;
+            if (KW == 32) score_dense_rows<32>(rb, r0, nr, kb, D, o);
+            else score_dense_rows<16>(rb, r0, nr, kb, D, o);
+          };
+          auto values = [&](int64_t page) { return DenseValues<CT>{vc + (page * KVH + w.kv_head) * S * D, D}; };
+          attend_rows(rb, btp + w.seq * max_pages, S, D, sm, score, values);
+          for (int i = 0; i < w.nq; ++i)
+            for (int h = 0; h < G; ++h) {
+              const int r = i * G + h;
+              const float inv = 1.0f / rb.den[r];
+              QT* dst = op + ((w.t0 + i) * H + w.kv_head * G + h) * D;
+              for (int64_t d = 0; d < D; ++d) dst[d] = from_f<QT>(rb.acc[r][d] * inv);
+            }
         }
       });
     });
@@ -104,21 +157,24 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
   auto k = k_in.to(k_cache.scalar_type()).contiguous();
   auto v = v_in.to(v_cache.scalar_type()).contiguous();
   auto slots = slot_mapping_in.to(at::kLong).contiguous();
-  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), S = k_cache.size(2);
-  const int64_t es = k.element_size(), row = D * es;
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), KW = k_cache.size(4);
+  const int64_t S = k_cache.size(2) * KW;
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const char* ks = static_cast<const char*>(k.data_ptr());
-  const char* vs = static_cast<const char*>(v.data_ptr());
-  char* kd = static_cast<char*>(k_cache.data_ptr());
-  char* vd = static_cast<char*>(v_cache.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t page = sp[t] / S, off = sp[t] % S;
-    for (int64_t g = 0; g < KVH; ++g) {
-      const int64_t dst = ((page * KVH + g) * S + off) * row;
-      std::memcpy(kd + dst, ks + (t * KVH + g) * row, row);
-      std::memcpy(vd + dst, vs + (t * KVH + g) * row, row);
+  QK_DISPATCH_FLOAT(k.scalar_type(), "write_kv", [&] {
+    const scalar_t* ks = k.data_ptr<scalar_t>();
+    const scalar_t* vs = v.data_ptr<scalar_t>();
+    scalar_t* kd = k_cache.data_ptr<scalar_t>();
+    scalar_t* vd = v_cache.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t page = sp[t] / S, off = sp[t] % S;
+      for (int64_t g = 0; g < KVH; ++g) {
+        const scalar_t* krow = ks + (t * KVH + g) * D;
+        scalar_t* kb = kd + ((page * KVH + g) * S + (off / KW) * KW) * D + off % KW;   // the key's lane
+        for (int64_t d = 0; d < D; ++d) kb[d * KW] = krow[d];
+        std::memcpy(vd + ((page * KVH + g) * S + off) * D, vs + (t * KVH + g) * D, D * sizeof(scalar_t));
+      }
     }
-  }
+  });
 }
 
 }  // namespace qk

@@ -1,76 +1,283 @@
-// Building blocks of the paged attention kernels (dense and TurboQuant): scores of a GQA group
-// against one row, weighted accumulation of one row, and the online-softmax update of a page block.
+// The shared core of the paged attention kernels (dense and TurboQuant).
+//
+// Keys are stored blocked and transposed within a page: blocks of KW keys (32, or 16 when the page
+// size is not a multiple of 32), each block [head_dim, KW], so that one vector holds one dimension of
+// consecutive keys (scores accumulate along head_dim with FMAs, no horizontal reductions) and a block
+// is one sequential memory stream. A work item is a block of rows (query positions x the GQA heads
+// that share a KV head) of one sequence; every row walks its keys page by page in position order with
+// an online softmax. A row's arithmetic never depends on the other rows of its block, on how many
+// rows the block has, or on how the batch was formed: prefill chunks, whole prompts and decode steps
+// give bit-identical results for the same position.
 #pragma once
+
+#include <utility>
+#include <vector>
 
 #include "vec.h"
 
 namespace qk {
 
-constexpr int kMaxGroup = 16;
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxPage = 1024;
+constexpr int kMaxRows = 16;    // rows per work item
+constexpr int kMaxKW = 32;      // keys per score block (at most)
+constexpr int kScoreRows = 8;   // rows scored together against one key block
 
-// Scores of G query heads against one key row, times `scale`.
-template <typename CT>
-inline void score_row(const float (*qv)[kMaxHeadDim], int G, const CT* krow, int64_t D, float scale, float* out,
-                      int64_t stride) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    __m512 kv[kMaxHeadDim / 16];
-    const int64_t C = D / 16;
-    for (int64_t c = 0; c < C; ++c) kv[c] = load16x(krow + c * 16);
-    for (int h = 0; h < G; ++h) {
-      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qv[h]), kv[0]);
-      for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qv[h] + c * 16), kv[c], s);
-      out[h * stride] = _mm512_reduce_add_ps(s) * scale;
+inline int64_t key_block_width(int64_t page_size) { return page_size % 32 == 0 ? 32 : 16; }
+
+struct RowBlock {
+  int n = 0;                                   // rows in use
+  int64_t n_keys[kMaxRows];                    // keys each row attends to (its position + 1)
+  alignas(64) float q[kMaxRows][kMaxHeadDim];  // query rows in fp32 (rotated for TurboQuant)
+  alignas(64) float acc[kMaxRows][kMaxHeadDim];
+  float mx[kMaxRows], den[kMaxRows];
+
+  void reset(int64_t D) {
+    for (int r = 0; r < n; ++r) {
+      for (int64_t d = 0; d < D; ++d) acc[r][d] = 0.f;
+      mx[r] = -INFINITY;
+      den[r] = 0.f;
     }
-    return;
   }
+};
+
+// Online-softmax update of row r with the scores of one page (n keys, -inf where masked): the
+// scores become probabilities in place; acc and den are rescaled. Vectorized, with the same code
+// (hence the same rounding) for every row whatever its block.
+inline void softmax_update(RowBlock& rb, int r, float* s, int64_t n, int64_t D) {
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+  if (j < n) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + j));
+  const float bm = std::max(rb.mx[r], _mm512_reduce_max_ps(vm));
+  const __m512 vb = _mm512_set1_ps(bm);
+  __m512 vsum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vb));
+    _mm512_storeu_ps(s + j, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (j < n) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), vb)));
+    _mm512_mask_storeu_ps(s + j, tail, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const float sum = _mm512_reduce_add_ps(vsum);
+  const float alpha = std::exp(rb.mx[r] - bm);
+  rb.den[r] = rb.den[r] * alpha + sum;
+  if (alpha != 1.0f) {
+    const __m512 va = _mm512_set1_ps(alpha);
+    float* a = rb.acc[r];
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
+    for (; d < D; ++d) a[d] *= alpha;
+  }
+  rb.mx[r] = bm;
+#else
+  float bm = rb.mx[r];
+  for (int64_t j = 0; j < n; ++j) bm = std::max(bm, s[j]);
+  const float alpha = std::exp(rb.mx[r] - bm);
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - bm);
+    sum += s[j];
+  }
+  rb.den[r] = rb.den[r] * alpha + sum;
+  for (int64_t d = 0; d < D; ++d) rb.acc[r][d] *= alpha;
+  rb.mx[r] = bm;
 #endif
-  for (int h = 0; h < G; ++h) {
-    float part[16] = {0};
-    for (int64_t d = 0; d < D; ++d) part[d & 15] += qv[h][d] * to_f(krow[d]);
-    for (int s = 8; s > 0; s >>= 1)
-      for (int l = 0; l < s; ++l) part[l] += part[l + s];
-    out[h * stride] = part[0] * scale;
+}
+
+// Scores of one row for one key block: times `scale`, -inf past the row's last key.
+inline void store_scores(float* s, const float* raw, int64_t n, int64_t valid, float scale) {
+#if defined(__AVX512F__)
+  const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  for (int64_t l = 0; l < n; l += 16) {
+    const int64_t m = std::min<int64_t>(16, n - l);
+    const __mmask16 st = static_cast<__mmask16>((1u << m) - 1);
+    const int64_t v = std::max<int64_t>(0, std::min<int64_t>(16, valid - l));
+    const __mmask16 ok = static_cast<__mmask16>((1u << v) - 1);
+    _mm512_mask_storeu_ps(s + l, st, _mm512_mask_mul_ps(ninf, ok, _mm512_loadu_ps(raw + l), vs));
+  }
+#else
+  for (int64_t l = 0; l < n; ++l) s[l] = l < valid ? raw[l] * scale : -INFINITY;
+#endif
+}
+
+#if defined(__AVX512F__)
+// Value accumulation, few rows: every value row is loaded once (DC vectors of 16 dims) and added to
+// the NR rows' accumulators, all held in registers. Sums run over keys in key order.
+template <int NR, int DC, bool Masked, typename Values>
+inline void accumulate_rows(RowBlock& rb, int r0, const float* w, int64_t w_stride, const int64_t* n, int64_t nk,
+                            Values& values) {
+  __m512 acc[NR][DC];
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < DC; ++c) acc[i][c] = _mm512_loadu_ps(rb.acc[r0 + i] + 16 * c);
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 v[DC];
+    values.template full<DC>(j, v);
+#pragma GCC unroll 8
+    for (int i = 0; i < NR; ++i) {
+      if (!Masked || j < n[i]) {
+        const __m512 wv = _mm512_set1_ps(w[(r0 + i) * w_stride + j]);
+#pragma GCC unroll 16
+        for (int c = 0; c < DC; ++c) acc[i][c] = _mm512_fmadd_ps(wv, v[c], acc[i][c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(rb.acc[r0 + i] + 16 * c, acc[i][c]);
+}
+
+// Value accumulation, many rows: one pair of 16-dim chunks at a time (values.pair(j, p, va, vb) and
+// values.pair_dims(p)), up to 8 rows' accumulators in registers. Masked: some rows see fewer keys.
+template <int NR, bool Masked, typename Values>
+inline void accumulate_pair(RowBlock& rb, int r0, const float* w, int64_t w_stride, const int64_t* n, int64_t nk,
+                            int64_t pair, Values& values) {
+  const auto [a0, b0] = values.pair_dims(pair);
+  __m512 acc_a[NR], acc_b[NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i) {
+    acc_a[i] = _mm512_loadu_ps(rb.acc[r0 + i] + a0);
+    acc_b[i] = _mm512_loadu_ps(rb.acc[r0 + i] + b0);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 va, vb;
+    values.pair(j, pair, va, vb);
+#pragma GCC unroll 8
+    for (int i = 0; i < NR; ++i) {
+      if (!Masked || j < n[i]) {
+        const __m512 wv = _mm512_set1_ps(w[(r0 + i) * w_stride + j]);
+        acc_a[i] = _mm512_fmadd_ps(wv, va, acc_a[i]);
+        acc_b[i] = _mm512_fmadd_ps(wv, vb, acc_b[i]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i) {
+    _mm512_storeu_ps(rb.acc[r0 + i] + a0, acc_a[i]);
+    _mm512_storeu_ps(rb.acc[r0 + i] + b0, acc_b[i]);
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+template <bool Masked, typename Values>
+inline void accumulate_rows_dispatch(RowBlock& rb, int r0, int rows, int64_t D, const float* w, int64_t ws,
+                                     const int64_t* n, int64_t nk, Values& values) {
+  if (D == 128) {
+    if (rows == 2) accumulate_rows<2, 8, Masked>(rb, r0, w, ws, n, nk, values);
+    else accumulate_rows<1, 8, Masked>(rb, r0, w, ws, n, nk, values);
+  } else {
+    if (rows == 2) accumulate_rows<2, 4, Masked>(rb, r0, w, ws, n, nk, values);
+    else accumulate_rows<1, 4, Masked>(rb, r0, w, ws, n, nk, values);
   }
 }
 
-// acc[h] += p[h] * vrow for the G heads.
-template <typename CT>
-inline void accumulate_row(float (*acc)[kMaxHeadDim], int G, const float* p, int64_t stride, const CT* vrow,
-                           int64_t D) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    for (int64_t c = 0; c < D / 16; ++c) {
-      const __m512 v = load16x(vrow + c * 16);
-      for (int h = 0; h < G; ++h)
-        _mm512_storeu_ps(acc[h] + c * 16,
-                         _mm512_fmadd_ps(_mm512_set1_ps(p[h * stride]), v, _mm512_loadu_ps(acc[h] + c * 16)));
-    }
-    return;
+template <bool Masked, typename Values>
+inline void accumulate_pair_dispatch(RowBlock& rb, int r0, int nr, const float* w, int64_t ws, const int64_t* n,
+                                     int64_t nk, int64_t pair, Values& values) {
+  switch (nr) {
+    case 8: accumulate_pair<8, Masked>(rb, r0, w, ws, n, nk, pair, values); break;
+    case 7: accumulate_pair<7, Masked>(rb, r0, w, ws, n, nk, pair, values); break;
+    case 6: accumulate_pair<6, Masked>(rb, r0, w, ws, n, nk, pair, values); break;
+    case 5: accumulate_pair<5, Masked>(rb, r0, w, ws, n, nk, pair, values); break;
+    case 4: accumulate_pair<4, Masked>(rb, r0, w, ws, n, nk, pair, values); break;
+    case 3: accumulate_pair<3, Masked>(rb, r0, w, ws, n, nk, pair, values); break;
+    case 2: accumulate_pair<2, Masked>(rb, r0, w, ws, n, nk, pair, values); break;
+    default: accumulate_pair<1, Masked>(rb, r0, w, ws, n, nk, pair, values); break;
   }
+}
 #endif
-  for (int h = 0; h < G; ++h)
-    for (int64_t d = 0; d < D; ++d) acc[h][d] += p[h * stride] * to_f(vrow[d]);
+
+// Drives one row block over a sequence's pages.
+//   score(page, block, r0, nr, out[kScoreRows][kMaxKW]): raw scores of the KW keys of key block `block` for
+//     up to kScoreRows rows starting at r0;
+//   values(page): a value reader for the page with fold_scales(w, n) (no-op for dense caches), row(j, float*),
+//     full<DC>(j, __m512*), pair(j, p, va, vb) and pair_dims(p).
+template <typename Scorer, typename ValuesOf>
+void attend_rows(RowBlock& rb, const int32_t* block_table, int64_t S, int64_t D, float scale, Scorer&& score,
+                 ValuesOf&& values_of) {
+  static thread_local std::vector<float> sbuf;
+  sbuf.resize(static_cast<size_t>(kMaxRows) * S);
+  float* scores = sbuf.data();
+  const int64_t KW = key_block_width(S);
+  int64_t max_keys = 0;
+  for (int r = 0; r < rb.n; ++r) max_keys = std::max(max_keys, rb.n_keys[r]);
+  const int64_t n_pages = (max_keys + S - 1) / S;
+  for (int64_t p = 0; p < n_pages; ++p) {
+    const int64_t page = block_table[p];
+    const int64_t base = p * S;
+    const int64_t nk = std::min(S, max_keys - base);
+    int r_first = 0;   // rows whose keys end before this page are done (they come first: positions ascend)
+    while (r_first < rb.n && rb.n_keys[r_first] <= base) ++r_first;
+    for (int64_t j0 = 0; j0 < nk; j0 += KW) {
+      for (int r0 = r_first; r0 < rb.n; r0 += kScoreRows) {
+        const int nr = std::min(kScoreRows, rb.n - r0);
+        alignas(64) float out[kScoreRows][kMaxKW];
+        score(page, j0 / KW, r0, nr, out);
+        for (int i = 0; i < nr; ++i)   // keys of this block the row may see: n_keys - base - j0
+          store_scores(scores + (r0 + i) * S + j0, out[i], std::min(KW, nk - j0), rb.n_keys[r0 + i] - base - j0,
+                       scale);
+      }
+    }
+    auto values = values_of(page);
+    int64_t n[kMaxRows];
+    for (int r = r_first; r < rb.n; ++r) {
+      softmax_update(rb, r, scores + r * S, nk, D);
+      values.fold_scales(scores + r * S, nk);   // value-row scales into the weights (TurboQuant)
+      n[r] = std::max<int64_t>(0, std::min(nk, rb.n_keys[r] - base));
+    }
+    const int rows = rb.n - r_first;
+#if defined(__AVX512F__)
+    bool masked = false;
+    for (int r = r_first; r < rb.n; ++r) masked |= n[r] < nk;
+    if (rows <= 2 && (D == 128 || D == 64)) {
+      if (masked) accumulate_rows_dispatch<true>(rb, r_first, rows, D, scores, S, n + r_first, nk, values);
+      else accumulate_rows_dispatch<false>(rb, r_first, rows, D, scores, S, n + r_first, nk, values);
+      continue;
+    }
+    if (D % 32 == 0) {
+      for (int64_t pair = 0; pair < D / 32; ++pair)
+        for (int r0 = r_first; r0 < rb.n; r0 += 8) {
+          const int nr = std::min(8, rb.n - r0);
+          if (masked) accumulate_pair_dispatch<true>(rb, r0, nr, scores, S, n + r0, nk, pair, values);
+          else accumulate_pair_dispatch<false>(rb, r0, nr, scores, S, n + r0, nk, pair, values);
+        }
+      continue;
+    }
+#endif
+    alignas(64) float vbuf[kMaxHeadDim];
+    for (int64_t j = 0; j < nk; ++j) {
+      values.row(j, vbuf);
+      for (int r = r_first; r < rb.n; ++r)
+        if (j < n[r]) {
+          const float wj = scores[r * S + j];
+          for (int64_t d = 0; d < D; ++d) rb.acc[r][d] += wj * vbuf[d];
+        }
+    }
+  }
 }
 
-// One block of scores [G][n] (already in `scores`, row stride S): online-softmax update.
-inline void softmax_block(float* scores, int64_t S, int64_t n, int G, float* mx, float* den,
-                          float (*acc)[kMaxHeadDim], int64_t D) {
-  for (int h = 0; h < G; ++h) {
-    float* s = scores + h * S;
-    float bm = mx[h];
-    for (int64_t j = 0; j < n; ++j) bm = std::max(bm, s[j]);
-    const float alpha = std::exp(mx[h] - bm);
-    for (int64_t j = 0; j < n; ++j) s[j] -= bm;
-    exp_inplace(s, n);
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) sum += s[j];
-    den[h] = den[h] * alpha + sum;
-    for (int64_t d = 0; d < D; ++d) acc[h][d] *= alpha;
-    mx[h] = bm;
-  }
+// Splits the step's rows into work items: (sequence, KV head, first query row, query rows). A block
+// holds at most kMaxRows / G query positions so that each item has <= kMaxRows rows.
+struct WorkItem {
+  int32_t seq, kv_head, t0, nq;
+};
+
+inline std::vector<WorkItem> make_items(const int32_t* qsl, int64_t B, int64_t KVH, int G) {
+  const int per = std::max(1, kMaxRows / G);
+  std::vector<WorkItem> items;
+  for (int64_t b = 0; b < B; ++b)
+    for (int32_t t = qsl[b]; t < qsl[b + 1]; t += per)
+      for (int64_t g = 0; g < KVH; ++g)
+        items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(g), t, std::min<int32_t>(per, qsl[b + 1] - t)});
+  return items;
 }
 
 }  // namespace qk

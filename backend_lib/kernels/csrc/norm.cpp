@@ -1,24 +1,58 @@
 // RMSNorm (optionally fused with the residual add) for the CPU, row by row and batch invariant.
 // Numerics follow Qwen3's RMSNorm: normalize in fp32, round to the activation dtype, then scale.
-#include "common.h"
+#include "vec.h"
 
 namespace qk {
 namespace {
 
 template <typename T>
-inline void norm_row(const T* h, const T* w, T* out, int64_t D, float eps) {
+inline float inv_rms(const T* h, int64_t D, float eps) {
   float part[16] = {0};
-  for (int64_t k = 0; k < D; ++k) {
-    float v = to_f(h[k]);
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; k < D; k += 16) {
+      const __m512 v = load16x(h + k);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    _mm512_storeu_ps(part, acc);
+  }
+#endif
+  for (; k < D; ++k) {
+    const float v = to_f(h[k]);
     part[k & 15] += v * v;
   }
   for (int s = 8; s > 0; s >>= 1)
     for (int l = 0; l < s; ++l) part[l] += part[l + s];
-  const float inv = 1.0f / std::sqrt(part[0] / static_cast<float>(D) + eps);
-  for (int64_t k = 0; k < D; ++k) {
-    const float normed = to_f(from_f<T>(to_f(h[k]) * inv));
-    out[k] = from_f<T>(to_f(w[k]) * normed);
+  return 1.0f / std::sqrt(part[0] / static_cast<float>(D) + eps);
+}
+
+// out = w * round(h * inv): the normalized row rounded to T, then scaled by the weight.
+template <typename T>
+inline void scale_row(const T* h, const T* w, T* out, int64_t D, float inv) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    const __m512 vi = _mm512_set1_ps(inv);
+    for (; k < D; k += 16)
+      store16x(out + k, _mm512_mul_ps(load16x(w + k), round_to(_mm512_mul_ps(load16x(h + k), vi), h)));
+    return;
   }
+#endif
+  for (; k < D; ++k) out[k] = from_f<T>(to_f(w[k]) * to_f(from_f<T>(to_f(h[k]) * inv)));
+}
+
+template <typename T>
+inline void add_row(const T* x, const T* r, T* h, int64_t D) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    for (; k < D; k += 16) store16x(h + k, _mm512_add_ps(load16x(x + k), load16x(r + k)));
+    return;
+  }
+#endif
+  for (; k < D; ++k) h[k] = from_f<T>(to_f(x[k]) + to_f(r[k]));
 }
 
 }  // namespace
@@ -35,8 +69,9 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * D, wp, op + r * D, D, static_cast<float>(eps));
+    at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        scale_row(xp + r * D, wp, op + r * D, D, inv_rms(xp + r * D, D, static_cast<float>(eps)));
     });
   });
   return out;
@@ -62,13 +97,97 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     scalar_t* hp = h.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t row = r0; row < r1; ++row) {
-        for (int64_t k = 0; k < D; ++k)
-          hp[row * D + k] = from_f<scalar_t>(to_f(xp[row * D + k]) + to_f(rp[row * D + k]));
-        norm_row(hp + row * D, wp, op + row * D, D, static_cast<float>(eps));
+        add_row(xp + row * D, rp + row * D, hp + row * D, D);
+        scale_row(hp + row * D, wp, op + row * D, D, inv_rms(hp + row * D, D, static_cast<float>(eps)));
       }
     });
   });
   return {out, h};
+}
+
+// Qwen3 attention prologue on the fused qkv projection [T, (H + 2 KVH) * D]: per-head RMSNorm of q and
+// k (q_norm, k_norm), rotate-half RoPE at `positions` (fp32 math, one rounding), v copied out.
+// Returns q [T, H, D], k [T, KVH, D], v [T, KVH, D].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& qkv_in, const at::Tensor& q_w,
+                                                            const at::Tensor& k_w, const at::Tensor& positions_in,
+                                                            const at::Tensor& cos_sin, int64_t H, int64_t KVH,
+                                                            double eps) {
+  check_float_dtype(qkv_in, "qkv");
+  auto qkv = qkv_in.contiguous();
+  auto pos = positions_in.to(at::kLong).contiguous();
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "cos_sin must be contiguous fp32");
+  const int64_t T = qkv.size(0), D = cos_sin.size(1), W = (H + 2 * KVH) * D;
+  TORCH_CHECK(qkv.size(1) == W, "qkv width does not match heads and head_dim");
+  auto q = at::empty({T, H, D}, qkv.options());
+  auto k = at::empty({T, KVH, D}, qkv.options());
+  auto v = at::empty({T, KVH, D}, qkv.options());
+  const int64_t half = D / 2;
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* cs = cos_sin.data_ptr<float>();
+  QK_DISPATCH_FLOAT(qkv.scalar_type(), "qk_norm_rope", [&] {
+    using T_ = scalar_t;
+    const T_* src = qkv.data_ptr<T_>();
+    const T_* qw = q_w.data_ptr<T_>();
+    const T_* kw = k_w.data_ptr<T_>();
+    T_* qo = q.data_ptr<T_>();
+    T_* ko = k.data_ptr<T_>();
+    T_* vo = v.data_ptr<T_>();
+    at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+      alignas(64) T_ normed[512];
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* cosv = cs + pp[t] * D;
+        const float* sinv = cosv + half;
+        for (int64_t hh = 0; hh < H + KVH; ++hh) {
+          const bool is_q = hh < H;
+          const T_* row = src + t * W + hh * D;
+          T_* dst = is_q ? qo + (t * H + hh) * D : ko + (t * KVH + hh - H) * D;
+          scale_row(row, is_q ? qw : kw, normed, D, inv_rms(row, D, static_cast<float>(eps)));
+          for (int64_t i = 0; i < half; ++i) {   // rotate-half in fp32, one rounding
+            const float x1 = to_f(normed[i]), x2 = to_f(normed[i + half]);
+            dst[i] = from_f<T_>(x1 * cosv[i] - x2 * sinv[i]);
+            dst[i + half] = from_f<T_>(x2 * cosv[i] + x1 * sinv[i]);
+          }
+        }
+        std::memcpy(vo + t * KVH * D, src + t * W + (H + KVH) * D, KVH * D * sizeof(T_));
+      }
+    });
+  });
+  return {q, k, v};
+}
+
+// SwiGLU on the fused [gate | up] projection: silu(gate) * up, each op rounded as PyTorch does.
+at::Tensor silu_mul(const at::Tensor& x_in) {
+  check_float_dtype(x_in, "x");
+  auto x = x_in.contiguous();
+  const int64_t I = x.size(-1) / 2, rows = x.numel() / (2 * I);
+  auto sizes = x.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, x.options());
+  QK_DISPATCH_FLOAT(x.scalar_type(), "silu_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* g = xp + r * 2 * I;
+        const scalar_t* u = g + I;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= I; i += 16) {
+          const __m512 gv = load16x(g + i);
+          const __m512 sv = round_to(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), g);
+          store16x(op + r * I + i, _mm512_mul_ps(sv, load16x(u + i)));
+        }
+#endif
+        for (; i < I; ++i) {
+          const float gv = to_f(g[i]);
+          const float s = to_f(from_f<scalar_t>(gv / (1.0f + std::exp(-gv))));   // tails only
+          op[r * I + i] = from_f<scalar_t>(s * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
 }
 
 }  // namespace qk

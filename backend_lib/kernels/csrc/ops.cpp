@@ -10,6 +10,11 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
                                                  double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& qkv, const at::Tensor& q_w,
+                                                            const at::Tensor& k_w, const at::Tensor& positions,
+                                                            const at::Tensor& cos_sin, int64_t H, int64_t KVH,
+                                                            double eps);
+at::Tensor silu_mul(const at::Tensor& x);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale);
@@ -37,6 +42,9 @@ TORCH_LIBRARY(qwen3_cpu, m) {
   m.def("a8w8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor colsum) -> Tensor", &qk::a8w8_linear);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &qk::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)", &qk::add_rms_norm);
+  m.def("qk_norm_rope(Tensor qkv, Tensor q_w, Tensor k_w, Tensor positions, Tensor cos_sin, int H, int KVH, "
+        "float eps) -> (Tensor, Tensor, Tensor)", &qk::qk_norm_rope);
+  m.def("silu_mul(Tensor x) -> Tensor", &qk::silu_mul);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale) -> Tensor",
         &qk::paged_attention);

@@ -2,8 +2,9 @@
 // in the rotated space straight from the nibble codes (nothing is dequantized into a buffer of the
 // context). Rows are processed one at a time in a fixed order, so results are batch invariant.
 //
-// Layout per layer: codes uint8 [pages, kv_heads, page_size, d/2] with byte c = idx[c] | idx[c+d/2] << 4,
-// scales fp32 [pages, kv_heads, page_size] = ||x|| / ||centroids[idx]||.
+// Layout per layer: byte c of a row = idx[c] | idx[c+d/2] << 4; K codes [pages, kv_heads, page_size / KW, d/2,
+// KW] (blocked and transposed, as the dense K), V codes [pages, kv_heads, page_size, d/2]; one fp32 scale per
+// row, [pages, kv_heads, page_size] = ||x|| / ||centroids[idx]||.
 #include "attention_common.h"
 #include <vector>
 
@@ -11,7 +12,6 @@ namespace qk {
 namespace {
 
 constexpr int kMaxD = kMaxHeadDim;
-constexpr int kMaxG = kMaxGroup;
 
 // y[j] = sum_i x[i] * R[i][j] (row vector times R), accumulated over i in order.
 inline void rotate_row(const float* x, const float* R, int64_t D, float* y) {
@@ -24,17 +24,8 @@ inline void rotate_row(const float* x, const float* R, int64_t D, float* y) {
   }
 }
 
-// o[i] = sum_j y[j] * R[i][j] (row vector times R^T).
-inline void unrotate_row(const float* y, const float* R, int64_t D, float* o) {
-  for (int64_t i = 0; i < D; ++i) {
-    const float* r = R + i * D;
-    float part[16] = {0};
-    for (int64_t j = 0; j < D; ++j) part[j & 15] += y[j] * r[j];
-    for (int s = 8; s > 0; s >>= 1)
-      for (int l = 0; l < s; ++l) part[l] += part[l + s];
-    o[i] = part[0];
-  }
-}
+// o = y R^T, i.e. rotate_row with the transposed matrix RT (RT[j][i] = R[i][j]).
+inline void unrotate_row(const float* y, const float* RT, int64_t D, float* o) { rotate_row(y, RT, D, o); }
 
 template <typename T>
 void encode_row(const T* x, const float* R, const float* cents, const float* bounds, int64_t D, uint8_t* codes,
@@ -86,48 +77,96 @@ inline void unpack_row(const uint8_t* codes, const float* cents, int64_t D, floa
   }
 }
 
-template <typename QT>
-void tq_attend_row(const QT* q, int64_t q_stride, const uint8_t* kc, const float* ks, const uint8_t* vc,
-                   const float* vs, const int32_t* block_table, int64_t kv_head, int64_t n_keys, int64_t KVH,
-                   int64_t S, int64_t D, int G, const float* R, const float* cents, float sm_scale, QT* out) {
-  alignas(64) float qf[kMaxD], qr[kMaxG][kMaxD], acc[kMaxG][kMaxD], row[kMaxD];
-  float mx[kMaxG], den[kMaxG];
-  static thread_local std::vector<float> sbuf;
-  sbuf.resize(static_cast<size_t>(kMaxG) * S);
-  float* scores = sbuf.data();
-  for (int h = 0; h < G; ++h) {
-    for (int64_t d = 0; d < D; ++d) qf[d] = to_f(q[h * q_stride + d]);
-    rotate_row(qf, R, D, qr[h]);
-    for (int64_t d = 0; d < D; ++d) acc[h][d] = 0.f;
-    mx[h] = -INFINITY;
-    den[h] = 0.f;
-  }
-  const int64_t hd = D / 2;
-  const int64_t n_pages = (n_keys + S - 1) / S;
-  float pv[kMaxG];
-  for (int64_t p = 0; p < n_pages; ++p) {
-    const int64_t page = block_table[p];
-    const int64_t nk = std::min(S, n_keys - p * S);
-    const int64_t base = (page * KVH + kv_head) * S;
-    for (int64_t j = 0; j < nk; ++j) {
-      unpack_row(kc + (base + j) * hd, cents, D, row);
-      score_row(qr, G, row, D, ks[base + j] * sm_scale, scores + j, S);
+// Raw scores of one key block (KW keys) for NR rows straight from the nibble codes: the block is
+// [D/2, KW] bytes, byte c of key j holding dims c (low nibble) and c + D/2 (high nibble); lanes are keys.
+template <int NR, int KW>
+inline void score_codes(const RowBlock& rb, int r0, const uint8_t* kb, const float* ks, int64_t D,
+                        const float* cents, float (*out)[kMaxKW]) {
+  const int64_t h = D / 2;
+#if defined(__AVX512F__)
+  constexpr int V = KW / 16;
+  const __m512 table = _mm512_loadu_ps(cents);
+  __m512 acc[NR][V];
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < h; ++c) {
+    __m512 klo[V], khi[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {   // vpermps reads only the low 4 bits of each index: no nibble mask
+      const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kb + c * KW + 16 * v)));
+      klo[v] = _mm512_permutexvar_ps(x, table);
+      khi[v] = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), table);
     }
-    softmax_block(scores, S, nk, G, mx, den, acc, D);
-    for (int64_t j = 0; j < nk; ++j) {
-      unpack_row(vc + (base + j) * hd, cents, D, row);
-      const float vsj = vs[base + j];
-      for (int h = 0; h < G; ++h) pv[h] = scores[h * S + j] * vsj;
-      accumulate_row(acc, G, pv, 1, row, D);
+#pragma GCC unroll 8
+    for (int i = 0; i < NR; ++i) {
+      const __m512 ql = _mm512_set1_ps(rb.q[r0 + i][c]), qh = _mm512_set1_ps(rb.q[r0 + i][c + h]);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(qh, khi[v], _mm512_fmadd_ps(ql, klo[v], acc[i][v]));
     }
   }
-  for (int h = 0; h < G; ++h) {
-    const float inv = 1.0f / den[h];
-    for (int64_t d = 0; d < D; ++d) acc[h][d] *= inv;
-    unrotate_row(acc[h], R, D, row);
-    for (int64_t d = 0; d < D; ++d) out[h * q_stride + d] = from_f<QT>(row[d]);
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) _mm512_store_ps(out[i] + 16 * v, _mm512_mul_ps(acc[i][v], _mm512_loadu_ps(ks + 16 * v)));
+#else
+  for (int i = 0; i < NR; ++i)
+    for (int l = 0; l < KW; ++l) {
+      float s = 0.f;
+      for (int64_t c = 0; c < h; ++c) {
+        const uint8_t byte = kb[c * KW + l];
+        s += rb.q[r0 + i][c] * cents[byte & 0xF];
+        s += rb.q[r0 + i][c + h] * cents[byte >> 4];
+      }
+      out[i][l] = s * ks[l];
+    }
+#endif
+}
+
+template <int KW>
+inline void score_codes_rows(const RowBlock& rb, int r0, int nr, const uint8_t* kb, const float* ks, int64_t D,
+                             const float* cents, float (*out)[kMaxKW]) {
+  switch (nr) {
+    case 8: score_codes<8, KW>(rb, r0, kb, ks, D, cents, out); break;
+    case 7: score_codes<7, KW>(rb, r0, kb, ks, D, cents, out); break;
+    case 6: score_codes<6, KW>(rb, r0, kb, ks, D, cents, out); break;
+    case 5: score_codes<5, KW>(rb, r0, kb, ks, D, cents, out); break;
+    case 4: score_codes<4, KW>(rb, r0, kb, ks, D, cents, out); break;
+    case 3: score_codes<3, KW>(rb, r0, kb, ks, D, cents, out); break;
+    case 2: score_codes<2, KW>(rb, r0, kb, ks, D, cents, out); break;
+    default: score_codes<1, KW>(rb, r0, kb, ks, D, cents, out); break;
   }
 }
+
+// Value rows of one page of TurboQuant codes ([S, D/2] bytes + [S] scales). A chunk pair p covers dims
+// [16p, 16p + 16) (low nibbles of bytes 16p..16p+15) and [16p + D/2, ...) (their high nibbles).
+struct CodeValues {
+  const uint8_t* codes;
+  const float* scales;
+  const float* cents;
+  int64_t D;
+  void fold_scales(float* w, int64_t n) const {
+    for (int64_t j = 0; j < n; ++j) w[j] *= scales[j];
+  }
+  void row(int64_t j, float* out) const { unpack_row(codes + j * (D / 2), cents, D, out); }
+#if defined(__AVX512F__)
+  template <int DC>
+  void full(int64_t j, __m512* v) const {
+    const __m512 table = _mm512_loadu_ps(cents);
+#pragma GCC unroll 8
+    for (int p = 0; p < DC / 2; ++p) pair(j, p, v[p], v[p + DC / 2], table);
+  }
+  std::pair<int64_t, int64_t> pair_dims(int64_t p) const { return {16 * p, 16 * p + D / 2}; }
+  void pair(int64_t j, int64_t p, __m512& va, __m512& vb) const { pair(j, p, va, vb, _mm512_loadu_ps(cents)); }
+  void pair(int64_t j, int64_t p, __m512& va, __m512& vb, __m512 table) const {
+    // vpermps reads only the low 4 bits of each index: the low nibble needs no mask
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * (D / 2) + 16 * p)));
+    va = _mm512_permutexvar_ps(x, table);
+    vb = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), table);
+  }
+#endif
+};
 
 void check_codebook(const at::Tensor& R, const at::Tensor& cents, int64_t D) {
   TORCH_CHECK(R.scalar_type() == at::kFloat && R.is_contiguous() && R.size(0) == D && R.size(1) == D,
@@ -138,6 +177,8 @@ void check_codebook(const at::Tensor& R, const at::Tensor& cents, int64_t D) {
 
 }  // namespace
 
+// Encodes K and V rows [T, KVH, D] into their pages: K codes transposed [pages, KVH, D/2, S], V codes
+// [pages, KVH, S, D/2], one fp32 scale per row.
 void tq_write(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_codes, at::Tensor& k_scales,
               at::Tensor& v_codes, at::Tensor& v_scales, const at::Tensor& slot_mapping_in, const at::Tensor& R,
               const at::Tensor& cents_in, const at::Tensor& bounds_in) {
@@ -148,24 +189,30 @@ void tq_write(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_code
   auto slots = slot_mapping_in.to(at::kLong).contiguous();
   auto cents = cents_in.contiguous();
   auto bounds = bounds_in.contiguous();
-  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), hd = D / 2;
   check_codebook(R, cents, D);
-  TORCH_CHECK(k_codes.scalar_type() == at::kByte && k_codes.is_contiguous() && k_codes.size(3) == D / 2,
-              "codes must be contiguous uint8 [pages, kv_heads, page_size, d/2]");
-  const int64_t S = k_codes.size(2);
+  TORCH_CHECK(k_codes.scalar_type() == at::kByte && k_codes.is_contiguous() && k_codes.dim() == 5 &&
+                  k_codes.size(3) == hd && v_codes.is_contiguous() && v_codes.size(3) == hd,
+              "codes must be contiguous uint8: K [pages, KVH, S/KW, D/2, KW], V [pages, KVH, S, D/2]");
+  const int64_t KW = k_codes.size(4), S = k_codes.size(2) * KW;
   const int64_t* sp = slots.data_ptr<int64_t>();
+  uint8_t* kcp = k_codes.data_ptr<uint8_t>();
+  uint8_t* vcp = v_codes.data_ptr<uint8_t>();
   QK_DISPATCH_FLOAT(k.scalar_type(), "tq_write", [&] {
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
     at::parallel_for(0, T * KVH, 8, [&](int64_t i0, int64_t i1) {
+      uint8_t row[kMaxD / 2];
       for (int64_t it = i0; it < i1; ++it) {
         const int64_t t = it / KVH, g = it % KVH;
-        const int64_t slot = sp[t];
-        const int64_t dst = ((slot / S) * KVH + g) * S + slot % S;
-        encode_row(kp + it * D, R.data_ptr<float>(), cents.data_ptr<float>(), bounds.data_ptr<float>(), D,
-                   k_codes.data_ptr<uint8_t>() + dst * (D / 2), k_scales.data_ptr<float>() + dst);
+        const int64_t page = sp[t] / S, off = sp[t] % S;
+        const int64_t slot = (page * KVH + g) * S + off;
+        encode_row(kp + it * D, R.data_ptr<float>(), cents.data_ptr<float>(), bounds.data_ptr<float>(), D, row,
+                   k_scales.data_ptr<float>() + slot);
+        uint8_t* kb = kcp + ((page * KVH + g) * S + (off / KW) * KW) * hd;   // the key's block [D/2, KW]
+        for (int64_t c = 0; c < hd; ++c) kb[c * KW + off % KW] = row[c];
         encode_row(vp + it * D, R.data_ptr<float>(), cents.data_ptr<float>(), bounds.data_ptr<float>(), D,
-                   v_codes.data_ptr<uint8_t>() + dst * (D / 2), v_scales.data_ptr<float>() + dst);
+                   vcp + slot * hd, v_scales.data_ptr<float>() + slot);
       }
     });
   });
@@ -181,32 +228,65 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
   auto qsl = query_start_loc_in.to(at::kInt).contiguous();
   auto lens = seq_lens_in.to(at::kInt).contiguous();
   auto cents = cents_in.contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_codes.size(1), S = k_codes.size(2);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), hd = D / 2;
+  const int64_t KVH = k_codes.size(1), KW = k_codes.size(4), S = k_codes.size(2) * KW;
   check_codebook(R, cents, D);
-  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxG, "unsupported GQA group size");
+  TORCH_CHECK(KW == key_block_width(S), "k_codes key blocks do not match the page size");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxRows, "unsupported GQA group size");
   const int G = static_cast<int>(H / KVH);
   auto out = at::empty_like(q);
   if (T == 0) return out;
   const int32_t* qs = qsl.data_ptr<int32_t>();
   const int32_t* ls = lens.data_ptr<int32_t>();
-  const int64_t B = lens.size(0), max_pages = bt.size(1);
-  std::vector<int32_t> seq_of_row(T);
-  for (int64_t b = 0; b < B; ++b)
-    for (int32_t t = qs[b]; t < qs[b + 1]; ++t) seq_of_row[t] = static_cast<int32_t>(b);
+  const auto items = make_items(qs, lens.size(0), KVH, G);
+  const int64_t max_pages = bt.size(1);
+  const float* Rp = R.data_ptr<float>();
+  const auto RT = R.t().contiguous();
+  const float* RTp = RT.data_ptr<float>();
+  const float* cp = cents.data_ptr<float>();
+  const uint8_t* kcp = k_codes.data_ptr<uint8_t>();
+  const uint8_t* vcp = v_codes.data_ptr<uint8_t>();
+  const float* ksp = k_scales.data_ptr<float>();
+  const float* vsp = v_scales.data_ptr<float>();
+  const float sm = static_cast<float>(scale);
   QK_DISPATCH_FLOAT(q.scalar_type(), "tq_paged_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T * KVH, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t item = i0; item < i1; ++item) {
-        const int64_t t = item / KVH, g = item % KVH;
-        const int64_t b = seq_of_row[t];
-        const int64_t pos = ls[b] - (qs[b + 1] - qs[b]) + (t - qs[b]);
-        const int64_t off = (t * H + g * G) * D;
-        tq_attend_row<scalar_t>(qp + off, D, k_codes.data_ptr<uint8_t>(), k_scales.data_ptr<float>(),
-                                v_codes.data_ptr<uint8_t>(), v_scales.data_ptr<float>(), bt.data_ptr<int32_t>() + b * max_pages,
-                                g, pos + 1, KVH, S, D, G, R.data_ptr<float>(), cents.data_ptr<float>(),
-                                static_cast<float>(scale), op + off);
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+      RowBlock rb;
+      alignas(64) float tmp[kMaxD], orow[kMaxD];
+      for (int64_t it = i0; it < i1; ++it) {
+        const WorkItem& w = items[it];
+        const int64_t first_pos = ls[w.seq] - (qs[w.seq + 1] - qs[w.seq]) + (w.t0 - qs[w.seq]);
+        rb.n = w.nq * G;
+        for (int i = 0; i < w.nq; ++i)
+          for (int h = 0; h < G; ++h) {
+            const int r = i * G + h;
+            rb.n_keys[r] = first_pos + i + 1;
+            const scalar_t* src = qp + ((w.t0 + i) * H + w.kv_head * G + h) * D;
+            for (int64_t d = 0; d < D; ++d) tmp[d] = to_f(src[d]);
+            rotate_row(tmp, Rp, D, rb.q[r]);   // rotate each query once
+          }
+        rb.reset(D);
+        auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
+          const int64_t slot = (page * KVH + w.kv_head) * S + block * KW;
+          if (KW == 32) score_codes_rows<32>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
+          else score_codes_rows<16>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
+        };
+        auto values = [&](int64_t page) {
+          const int64_t slot = (page * KVH + w.kv_head) * S;
+          return CodeValues{vcp + slot * hd, vsp + slot, cp, D};
+        };
+        attend_rows(rb, bt.data_ptr<int32_t>() + w.seq * max_pages, S, D, sm, score, values);
+        for (int i = 0; i < w.nq; ++i)
+          for (int h = 0; h < G; ++h) {
+            const int r = i * G + h;
+            const float inv = 1.0f / rb.den[r];
+            for (int64_t d = 0; d < D; ++d) rb.acc[r][d] *= inv;
+            unrotate_row(rb.acc[r], RTp, D, orow);   // de-rotate once per head and step
+            scalar_t* dst = op + ((w.t0 + i) * H + w.kv_head * G + h) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = from_f<scalar_t>(orow[d]);
+          }
       }
     });
   });

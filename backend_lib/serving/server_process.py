@@ -1,4 +1,4 @@
-"""Starts the real tritonserver (the venv's `tritonserver` command) on free ports for tests."""
+"""Starts the real tritonserver (the venv's `tritonserver` command) on free ports: for tests and benchmarks."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
