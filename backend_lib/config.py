@@ -21,10 +21,12 @@ class EngineConfig:
     max_model_len: int | None = None       # default: min(checkpoint max_position_embeddings, 8192)
     max_num_batched_tokens: int = 512      # prefill chunk budget per step
     default_max_tokens: int = 256
+    max_waiting_requests: int = 256        # beyond this, new requests are refused at once (UNAVAILABLE)
     tq_seed: int = 0
     kernels: str = "auto"                  # auto | reference | cpu
     kernel_cache_dir: str | None = None
     num_threads: int | None = None
+    fault_injection: str | None = None     # test hook: "every:N" raises inside every Nth model step
     limits: SamplingLimits = field(default_factory=SamplingLimits)
 
     @classmethod
@@ -42,12 +44,12 @@ class EngineConfig:
             else:
                 raise ValueError(f"parameter {key!r} is not known (known: {', '.join(sorted(known | limit_names))})")
         for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens", "tq_seed",
-                    "max_model_len", "num_threads"):
+                    "max_model_len", "num_threads", "max_waiting_requests"):
             if key in kwargs and kwargs[key] not in (None, ""):
                 kwargs[key] = _to_int(key, kwargs[key])
             elif key in kwargs:
                 kwargs.pop(key)
-        for key in ("tokenizer", "kernel_cache_dir"):
+        for key in ("tokenizer", "kernel_cache_dir", "fault_injection"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
@@ -62,7 +64,8 @@ class EngineConfig:
             raise ValueError("checkpoint: no checkpoint folder configured")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache: {self.kv_cache!r} is not one of {', '.join(KV_CACHE_KINDS)}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens",
+                     "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.page_size > 1024 or self.page_size % 16:
@@ -72,7 +75,22 @@ class EngineConfig:
         if self.kernels not in ("auto", "reference", "cpu"):
             raise ValueError(f"kernels: {self.kernels!r} is not one of auto, reference, cpu")
         parse_memory_budget(self.kv_cache_memory)
+        if self.fault_injection:
+            fault_every(self.fault_injection)
         return self
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        """Every parameter name a model config may set (engine fields and request limits)."""
+        return ({f.name for f in fields(cls)} - {"limits"}) | {f.name for f in fields(SamplingLimits)}
+
+
+def fault_every(spec: str) -> int:
+    """'every:N' -> N (the fault-injection test hook)."""
+    kind, _, n = spec.partition(":")
+    if kind != "every" or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"fault_injection: {spec!r} is not 'every:N' with N >= 1")
+    return int(n)
 
 
 def _to_int(name: str, value) -> int:

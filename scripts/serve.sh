@@ -33,5 +33,7 @@ cat <<MSG
           python -m client.chat --url localhost:$GRPC_PORT          # chat through qwen3_a8w8_ensemble
           curl -N -X POST localhost:$HTTP_PORT/v2/models/qwen3_tq/generate_stream -d '{"text_input": "Hello", "max_tokens": 32, "stream": true}'
 MSG
+# --exit-on-error=false: a model that fails to load stays UNAVAILABLE (with its error in the log) while the
+# others serve, instead of taking the whole server down.
 exec tritonserver --model-repository model_repository --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
-    --metrics-port "$METRICS_PORT" "$@"
+    --metrics-port "$METRICS_PORT" --exit-on-error=false "$@"

@@ -32,11 +32,15 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> None:
         self.engine.check_request(prompt_ids, params)
         with self._cv:
-            if self._stopping:
-                raise RuntimeError("engine is shutting down")
+            if self._stopping or not self._thread.is_alive():
+                raise RuntimeError("engine is not running (shutting down or stopped after a fault)")
             self._inbox.append(("add", request_id, prompt_ids, params, callback))
             self._cv.notify()
 

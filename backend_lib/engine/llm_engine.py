@@ -13,7 +13,7 @@ import time
 import torch
 
 from ..checkpoint import ModelConfig, WeightStore, parse_quantization_config
-from ..config import EngineConfig
+from ..config import EngineConfig, fault_every
 from ..device import parse_dtype, resolve_device
 from ..kernels import get_kernels
 from ..kv_cache import BlockManager, allocate_kv_cache
@@ -60,7 +60,9 @@ class LLMEngine:
                                           **cache_kwargs)
         self.block_manager = BlockManager(self.kv_cache.num_pages, cfg.page_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, cfg.page_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg.page_size, self.device,
+                                  fault_every(cfg.fault_injection) if cfg.fault_injection else None)
+        self.num_failed_steps = 0
         self.end_ids = set(self.tokenizer.end_token_ids) | set(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
         self._seqs: dict[str, Sequence] = {}
@@ -131,6 +133,7 @@ class LLMEngine:
         try:
             samples = self.runner.execute(plan)
         except Exception as exc:  # a fault in the forward: fail this step's requests, keep serving
+            self.num_failed_steps += 1
             log.exception("engine step failed; failing %d request(s)", len(plan))
             outs = []
             for seq, _ in plan:

@@ -8,11 +8,17 @@ from ..sampling.sampler import Sample, Sampler
 from .sequence import Sequence
 
 
+class InjectedFault(RuntimeError):
+    """Raised by the fault-injection test hook."""
+
+
 class ModelRunner:
-    def __init__(self, model, kv_cache, page_size: int, device: torch.device):
+    def __init__(self, model, kv_cache, page_size: int, device: torch.device, fault_every: int | None = None):
         self.model, self.kv_cache = model, kv_cache
         self.page_size, self.device = page_size, device
         self.sampler = Sampler()
+        self.fault_every = fault_every
+        self.steps = 0
 
     def prepare(self, plan: list[tuple[Sequence, int]]):
         S = self.page_size
@@ -48,6 +54,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sample]]:
+        self.steps += 1
+        if self.fault_every and self.steps % self.fault_every == 0:
+            raise InjectedFault(f"injected fault at step {self.steps} (fault_injection every:{self.fault_every})")
         input_ids, positions, meta, rows, seqs = self.prepare(plan)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if not seqs:

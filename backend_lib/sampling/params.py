@@ -14,6 +14,7 @@ class SamplingLimits:
     """Server-side caps that protect the engine from oversized requests."""
 
     max_tokens: int = 4096
+    max_prompt_bytes: int = 1 << 20       # text_input / messages size, checked before tokenizing
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     max_stop_token_ids: int = 64

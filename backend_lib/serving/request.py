@@ -46,7 +46,9 @@ def _scalar(name: str, arr: np.ndarray):
     return arr.reshape(-1)[0]
 
 
-def _text(name: str, value) -> str:
+def _text(name: str, value, max_bytes: int | None = None) -> str:
+    if max_bytes is not None and isinstance(value, (bytes, np.bytes_, str)) and len(value) > max_bytes:
+        raise RequestError(f"{name}: {len(value)} bytes exceed the limit of {max_bytes} (max_prompt_bytes)")
     if isinstance(value, (bytes, np.bytes_)):
         try:
             return bytes(value).decode("utf-8")
@@ -82,7 +84,8 @@ def _coerce(key: str, value, where: str):
     return value
 
 
-def parse_request(get: Callable[[str], np.ndarray | None], parameters_json: str | None) -> ParsedRequest:
+def parse_request(get: Callable[[str], np.ndarray | None], parameters_json: str | None,
+                  max_prompt_bytes: int | None = None) -> ParsedRequest:
     """`get(name)` returns the input tensor as numpy or None; parameters_json is request.parameters()."""
     req = ParsedRequest()
     # lowest precedence first: request parameters, then sampling_parameters JSON, then tensors
@@ -137,7 +140,7 @@ def parse_request(get: Callable[[str], np.ndarray | None], parameters_json: str 
     text = get("text_input")
     ids = get("input_ids")
     if text is not None:
-        req.text = _text("text_input", _scalar("text_input", text))
+        req.text = _text("text_input", _scalar("text_input", text), max_prompt_bytes)
     if ids is not None:
         if ids.dtype.kind not in "iu":
             raise RequestError(f"input_ids: expected integer ids, got dtype {ids.dtype}")

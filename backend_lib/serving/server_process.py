@@ -22,13 +22,18 @@ def free_port() -> int:
 
 
 def make_repository(dest: Path, models: dict[str, dict[str, str]]) -> Path:
-    """Copies model_repository/<name> for each model, with config.pbtxt parameters replaced."""
+    """Copies model_repository/<name> for each model, with config.pbtxt parameters replaced.
+
+    An override "_source": "qwen3_a8w8" copies that model under the new name instead.
+    """
     dest.mkdir(parents=True, exist_ok=True)
     for name, overrides in models.items():
-        src = ROOT / "model_repository" / name
+        overrides = dict(overrides)
+        source = overrides.pop("_source", name)
+        src = ROOT / "model_repository" / source
         shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
         cfg = dest / name / "config.pbtxt"
-        text = cfg.read_text()
+        text = cfg.read_text().replace(f'name: "{source}"', f'name: "{name}"')
         for key, value in overrides.items():
             pattern = rf'(parameters \{{ key: "{key}", value: \{{ string_value: )"[^"]*"'
             text, n = re.subn(pattern, rf'\1"{value}"', text)
@@ -55,7 +60,9 @@ class TritonServer:
     def grpc_url(self) -> str:
         return f"localhost:{self.grpc_port}"
 
-    def start(self, timeout: float = 300.0, wait_ready: bool = True) -> "TritonServer":
+    def start(self, timeout: float = 300.0, wait_ready: bool = True, ready_models: list[str] | None = None,
+              ) -> "TritonServer":
+        """ready_models: wait for these models instead of the whole server (some may be meant to fail)."""
         cmd = [str(Path(sys.prefix) / "bin" / "tritonserver"), "--model-repository", str(self.repository),
                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                f"--metrics-port={self.metrics_port}", "--log-verbose=0", *self.extra_args]
@@ -63,20 +70,24 @@ class TritonServer:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         if wait_ready:
-            self.wait_ready(timeout)
+            self.wait_ready(timeout, ready_models)
         return self
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, models: list[str] | None = None) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
+            if models is not None:
+                if all(self.model_ready(m) for m in models):
+                    return
+            else:
+                try:
+                    with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                        if r.status == 200:
+                            return
+                except OSError:
+                    pass
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout}s:\n{self.log_tail()}")
 
@@ -104,6 +115,29 @@ class TritonServer:
         if not found:
             raise KeyError(f"metric {name} for model {model} not found")
         return total
+
+    def stub_pid(self, model: str) -> int | None:
+        """PID of the Python-backend stub process serving `model` (for memory checks)."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmd and cmd[0].endswith(b"triton_python_backend_stub") and any(
+                    a.startswith(f"{model}_0_".encode()) for a in cmd) and str(self.repository).encode() in cmd[1]:
+                return int(entry.name)
+        return None
+
+    def rss_mib(self, model: str) -> float:
+        pid = self.stub_pid(model)
+        if pid is None:
+            raise RuntimeError(f"no stub process found for {model}")
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("VmRSS not found")
 
     def log_tail(self, n: int = 60) -> str:
         try:

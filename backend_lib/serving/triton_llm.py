@@ -30,6 +30,10 @@ CANCEL_SWEEP_S = 0.1
 GAUGE_PERIOD_S = 0.1
 
 
+class Overloaded(Exception):
+    """The waiting queue is full: refuse at once rather than queue without bound."""
+
+
 @dataclass
 class RequestState:
     rid: str
@@ -59,14 +63,11 @@ def engine_config_from_args(args: dict) -> EngineConfig:
     model_config = json.loads(args["model_config"])
     name = args["model_name"]
     params = {k: v.get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
-    env_key = f"{name.upper()}_CHECKPOINT"
-    if os.environ.get(env_key):
-        params["checkpoint"] = os.environ[env_key]
-        log.info("%s: checkpoint from $%s = %s", name, env_key, params["checkpoint"])
-    for key in list(params):
+    for key in sorted(EngineConfig.field_names()):   # $<MODEL>_<PARAMETER> overrides config.pbtxt
         env = os.environ.get(f"{name.upper()}_{key.upper()}")
-        if env and key != "checkpoint":
+        if env:
             params[key] = env
+            log.info("%s: %s from $%s_%s = %s", name, key, name.upper(), key.upper(), env)
     kind = args.get("model_instance_kind", "CPU")
     device_id = args.get("model_instance_device_id", "0")
     if kind == "GPU":
@@ -112,6 +113,8 @@ class TritonLLMModel:
                 self._submit(request, sender)
             except RequestError as exc:
                 self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
+            except Overloaded as exc:
+                self._send_error(sender, str(exc), self.pb.TritonError.UNAVAILABLE)
             except Exception as exc:
                 log.exception("%s: request failed before reaching the engine", self.name)
                 self._send_error(sender, f"internal error: {exc}", self.pb.TritonError.INTERNAL)
@@ -131,7 +134,11 @@ class TritonLLMModel:
             t = pb.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
-        req = parse_request(get, request.parameters())
+        req = parse_request(get, request.parameters(), self.engine.cfg.limits.max_prompt_bytes)
+        waiting = len(self.engine.scheduler.waiting) + self.loop.num_pending()
+        if waiting >= self.engine.cfg.max_waiting_requests:
+            raise Overloaded(f"server overloaded (UNAVAILABLE): {waiting} requests are waiting "
+                             f"(max_waiting_requests {self.engine.cfg.max_waiting_requests}); retry later")
         tok = self.engine.tokenizer
         prompt_ids = req.input_ids if req.input_ids is not None else tok.encode(req.text)
         params = self.engine.make_params(req.sampling)
@@ -160,8 +167,10 @@ class TritonLLMModel:
                 state, out = self._queue.get(timeout=CANCEL_SWEEP_S)
                 try:
                     self._handle(state, out)
-                except Exception:
-                    log.exception("%s: sending a response failed", self.name)
+                except Exception:   # e.g. the client is gone: stop generating for it
+                    log.exception("%s: sending a response failed; aborting %s", self.name, state.rid)
+                    if not out.finished:
+                        self.loop.abort(state.rid)
                     self._close(state)
             except queue.Empty:
                 pass
@@ -199,6 +208,11 @@ class TritonLLMModel:
     def _sweep_cancelled(self) -> None:
         with self._lock:
             states = list(self._active.values())
+        if states and not self.loop.alive:   # never leave a client waiting on a dead engine
+            for state in states:
+                self._close(state)
+                self._send_error(state.sender, "engine stopped (UNAVAILABLE)", self.pb.TritonError.UNAVAILABLE)
+            return
         for state in states:
             if not state.done and state.sender.is_cancelled():
                 log.info("%s: request %s cancelled by the client", self.name, state.rid)

@@ -64,12 +64,14 @@ def tokenize_request(tok: Tokenizer, max_model_len: int, text: str | None, messa
     return ids
 
 
-def _text(arr, name):
+def _text(arr, name, max_bytes: int):
     if arr is None:
         return None
     v = arr.reshape(-1)
     if v.size != 1:
         raise RequestError(f"{name}: expected one value, got {v.size}")
+    if len(v[0]) > max_bytes:
+        raise RequestError(f"{name}: {len(v[0])} bytes exceed the limit of {max_bytes} (max_prompt_bytes)")
     try:
         return bytes(v[0]).decode("utf-8") if isinstance(v[0], (bytes, np.bytes_)) else str(v[0])
     except UnicodeDecodeError:
@@ -97,6 +99,10 @@ class TritonTokenizerModel:
             self.max_model_len = int(os.environ.get(f"{name}_MAX_MODEL_LEN") or params.get("max_model_len") or 4096)
         except ValueError:
             raise pb_utils.TritonModelException(f"max_model_len: {params.get('max_model_len')!r} is not an integer")
+        try:
+            self.max_prompt_bytes = int(params.get("max_prompt_bytes") or 1 << 20)
+        except ValueError:
+            raise pb_utils.TritonModelException(f"max_prompt_bytes: {params.get('max_prompt_bytes')!r} is not an integer")
         self.tok = Tokenizer(folder)
         log.info("%s: tokenizer from %s (max_model_len %d)", args["model_name"], folder, self.max_model_len)
 
@@ -109,9 +115,10 @@ class TritonTokenizerModel:
                 return None if t is None else t.as_numpy()
             try:
                 flag = lambda n, default: default if get(n) is None else bool(get(n).reshape(-1)[0])  # noqa: E731
-                ids = tokenize_request(self.tok, self.max_model_len, _text(get("text_input"), "text_input"),
-                                       _text(get("messages"), "messages"), flag("enable_thinking", True),
-                                       flag("add_generation_prompt", True))
+                ids = tokenize_request(self.tok, self.max_model_len,
+                                       _text(get("text_input"), "text_input", self.max_prompt_bytes),
+                                       _text(get("messages"), "messages", self.max_prompt_bytes),
+                                       flag("enable_thinking", True), flag("add_generation_prompt", True))
                 arr = np.array(ids, dtype=np.int32)
                 if self.batched:
                     arr = arr[None, :]

@@ -1,6 +1,7 @@
 """Shared by the benchmark workers (stdlib only: the vLLM worker runs in another venv)."""
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -39,3 +40,29 @@ def decode_rate(run, batch: int, new_tokens: int, repeats: int) -> dict:
 def emit(result: dict) -> None:
     print("RESULT " + json.dumps(result), flush=True)
     sys.stdout.flush()
+
+
+def arg_parser(doc: str, modes=("decode", "ttft")) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--mode", choices=list(modes), required=True)
+    ap.add_argument("--batches", default="1,8,16")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    return ap
+
+
+def measure(args, run, **labels) -> None:
+    """run(prompts, max_tokens) generates for a batch. decode/long: decode_rate per batch size; ttft: the
+    median time of a one-token request."""
+    if args.mode in ("decode", "long"):
+        for b in [int(v) for v in args.batches.split(",")]:
+            ps = prompts(b, args.prompt_len)
+            emit({"mode": args.mode, "prompt_len": args.prompt_len, **labels,
+                  **decode_rate(lambda n: run(ps, n), b, args.new_tokens, args.repeats)})
+    else:
+        ps = prompts(1, args.prompt_len)
+        run(ps, 1)
+        emit({"mode": "ttft", "prompt_len": args.prompt_len, **labels,
+              "ttft_s": statistics.median(timed(lambda: run(ps, 1), args.repeats))})

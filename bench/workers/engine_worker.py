@@ -4,24 +4,15 @@
 """
 from __future__ import annotations
 
-import argparse
 import itertools
-import statistics
 
-from bench.workers.common import decode_rate, emit, prompts, timed
+from bench.workers.common import arg_parser, measure
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--checkpoint", required=True)
+    ap = arg_parser(__doc__, modes=("decode", "ttft", "long"))
     ap.add_argument("--kv-cache", default="bf16")
-    ap.add_argument("--mode", choices=["decode", "ttft", "long"], required=True)
-    ap.add_argument("--batches", default="1,8,16")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
 
@@ -39,16 +30,7 @@ def main() -> None:
         while eng.has_unfinished():
             eng.step()
 
-    if args.mode in ("decode", "long"):
-        for b in batches:
-            ps = prompts(b, args.prompt_len)
-            r = decode_rate(lambda n: run(ps, n), b, args.new_tokens, args.repeats)
-            emit({"mode": args.mode, "kv_cache": args.kv_cache, "prompt_len": args.prompt_len, **r})
-    else:
-        ps = prompts(1, args.prompt_len)
-        run(ps, 1)
-        t = statistics.median(timed(lambda: run(ps, 1), args.repeats))
-        emit({"mode": "ttft", "kv_cache": args.kv_cache, "prompt_len": args.prompt_len, "ttft_s": t})
+    measure(args, run, kv_cache=args.kv_cache)
 
 
 if __name__ == "__main__":

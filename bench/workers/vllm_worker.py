@@ -5,23 +5,15 @@
 """
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench.workers.common import decode_rate, emit, prompts, timed  # noqa: E402
+from bench.workers.common import arg_parser, measure  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--mode", choices=["decode", "ttft"], required=True)
-    ap.add_argument("--batches", default="1,8,16")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = arg_parser(__doc__)
     ap.add_argument("--eager", action="store_true")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
@@ -34,16 +26,7 @@ def main() -> None:
                             detokenize=False)
         llm.generate([{"prompt_token_ids": p} for p in batch_prompts], sp, use_tqdm=False)
 
-    if args.mode == "decode":
-        for b in [int(v) for v in args.batches.split(",")]:
-            ps = prompts(b, args.prompt_len)
-            emit({"mode": "decode", "prompt_len": args.prompt_len,
-                  **decode_rate(lambda n: run(ps, n), b, args.new_tokens, args.repeats)})
-    else:
-        ps = prompts(1, args.prompt_len)
-        run(ps, 1)
-        emit({"mode": "ttft", "prompt_len": args.prompt_len,
-              "ttft_s": statistics.median(timed(lambda: run(ps, 1), args.repeats))})
+    measure(args, run)
 
 
 if __name__ == "__main__":

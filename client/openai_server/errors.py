@@ -7,7 +7,8 @@ import re
 _TRITON_PARAMS = {"stop_words": "stop", "text_input": "prompt", "input_ids": "prompt",
                   "sampling_parameters": None}
 _FIELD_AT_START = re.compile(r"^([a-z_]+)\b")
-_SERVER_FAULTS = ("internal error", "engine step failed", "request failed", "kv cache too small")
+_SERVER_FAULTS = ("internal error", "engine step failed", "request failed", "kv cache too small", "engine fault")
+_UNAVAILABLE = ("server overloaded", "engine stopped")
 
 
 class APIError(Exception):
@@ -45,6 +46,8 @@ def from_triton(message: str) -> APIError:
     lower = message.lower()
     if "unknown model" in lower:
         return APIError(404, message, param="model", code="model_not_found")
+    if lower.startswith(_UNAVAILABLE):
+        return unavailable(message)
     if any(lower.startswith(p) for p in _SERVER_FAULTS):
         return APIError(500, message, type="server_error")
     match = _FIELD_AT_START.match(message)

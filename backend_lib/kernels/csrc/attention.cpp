@@ -119,16 +119,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
         RowBlock rb;
         for (int64_t it = i0; it < i1; ++it) {
           const WorkItem& w = items[it];
-          const int64_t first_pos = ls[w.seq] - (qs[w.seq + 1] - qs[w.seq]) + (w.t0 - qs[w.seq]);
-          rb.n = w.nq * G;
-          for (int i = 0; i < w.nq; ++i)
-            for (int h = 0; h < G; ++h) {
-              const int r = i * G + h;
-              rb.n_keys[r] = first_pos + i + 1;
-              const QT* src = qp + ((w.t0 + i) * H + w.kv_head * G + h) * D;
-              for (int64_t d = 0; d < D; ++d) rb.q[r][d] = to_f(src[d]);
-            }
-          rb.reset(D);
+          load_rows(rb, w, qs, ls, G, H, D, qp, copy_row);
           auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
             const CT* kb = kc + ((page * KVH + w.kv_head) * S + block * KW) * D;
             if (KW == 32) score_dense_rows<32>(rb, r0, nr, kb, D, o);
@@ -136,13 +127,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
           };
           auto values = [&](int64_t page) { return DenseValues<CT>{vc + (page * KVH + w.kv_head) * S * D, D}; };
           attend_rows(rb, btp + w.seq * max_pages, S, D, sm, score, values);
-          for (int i = 0; i < w.nq; ++i)
-            for (int h = 0; h < G; ++h) {
-              const int r = i * G + h;
-              const float inv = 1.0f / rb.den[r];
-              QT* dst = op + ((w.t0 + i) * H + w.kv_head * G + h) * D;
-              for (int64_t d = 0; d < D; ++d) dst[d] = from_f<QT>(rb.acc[r][d] * inv);
-            }
+          store_rows(rb, w, G, H, D, op, copy_row);
         }
       });
     });

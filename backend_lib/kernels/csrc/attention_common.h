@@ -270,6 +270,43 @@ struct WorkItem {
   int32_t seq, kv_head, t0, nq;
 };
 
+// Fills rb with the item's rows (query position i, GQA head h -> row i * G + h): each row's key count and
+// its query, converted to fp32 and passed through prep(src, dst, D) (a copy, or the TurboQuant rotation).
+template <typename QT, typename Prep>
+inline void load_rows(RowBlock& rb, const WorkItem& w, const int32_t* qsl, const int32_t* seq_lens, int G, int64_t H,
+                      int64_t D, const QT* q, Prep&& prep) {
+  const int64_t first_pos = seq_lens[w.seq] - (qsl[w.seq + 1] - qsl[w.seq]) + (w.t0 - qsl[w.seq]);
+  alignas(64) float tmp[kMaxHeadDim];
+  rb.n = w.nq * G;
+  for (int i = 0; i < w.nq; ++i)
+    for (int h = 0; h < G; ++h) {
+      const int r = i * G + h;
+      rb.n_keys[r] = first_pos + i + 1;
+      const QT* src = q + ((w.t0 + i) * H + w.kv_head * G + h) * D;
+      for (int64_t d = 0; d < D; ++d) tmp[d] = to_f(src[d]);
+      prep(tmp, rb.q[r], D);
+    }
+  rb.reset(D);
+}
+
+// Writes each row's attention output acc / den, passed through post(src, dst, D) (a copy, or the
+// TurboQuant de-rotation), into out [T, H, D].
+template <typename QT, typename Post>
+inline void store_rows(RowBlock& rb, const WorkItem& w, int G, int64_t H, int64_t D, QT* out, Post&& post) {
+  alignas(64) float tmp[kMaxHeadDim];
+  for (int i = 0; i < w.nq; ++i)
+    for (int h = 0; h < G; ++h) {
+      const int r = i * G + h;
+      const float inv = 1.0f / rb.den[r];
+      for (int64_t d = 0; d < D; ++d) rb.acc[r][d] *= inv;
+      post(rb.acc[r], tmp, D);
+      QT* dst = out + ((w.t0 + i) * H + w.kv_head * G + h) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_f<QT>(tmp[d]);
+    }
+}
+
+inline void copy_row(const float* src, float* dst, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+
 inline std::vector<WorkItem> make_items(const int32_t* qsl, int64_t B, int64_t KVH, int G) {
   const int per = std::max(1, kMaxRows / G);
   std::vector<WorkItem> items;

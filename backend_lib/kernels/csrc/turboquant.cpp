@@ -254,20 +254,10 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
       RowBlock rb;
-      alignas(64) float tmp[kMaxD], orow[kMaxD];
       for (int64_t it = i0; it < i1; ++it) {
         const WorkItem& w = items[it];
-        const int64_t first_pos = ls[w.seq] - (qs[w.seq + 1] - qs[w.seq]) + (w.t0 - qs[w.seq]);
-        rb.n = w.nq * G;
-        for (int i = 0; i < w.nq; ++i)
-          for (int h = 0; h < G; ++h) {
-            const int r = i * G + h;
-            rb.n_keys[r] = first_pos + i + 1;
-            const scalar_t* src = qp + ((w.t0 + i) * H + w.kv_head * G + h) * D;
-            for (int64_t d = 0; d < D; ++d) tmp[d] = to_f(src[d]);
-            rotate_row(tmp, Rp, D, rb.q[r]);   // rotate each query once
-          }
-        rb.reset(D);
+        load_rows(rb, w, qs, ls, G, H, D, qp,   // rotate each query once
+                  [&](const float* src, float* dst, int64_t n) { rotate_row(src, Rp, n, dst); });
         auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
           const int64_t slot = (page * KVH + w.kv_head) * S + block * KW;
           if (KW == 32) score_codes_rows<32>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
@@ -278,15 +268,8 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
           return CodeValues{vcp + slot * hd, vsp + slot, cp, D};
         };
         attend_rows(rb, bt.data_ptr<int32_t>() + w.seq * max_pages, S, D, sm, score, values);
-        for (int i = 0; i < w.nq; ++i)
-          for (int h = 0; h < G; ++h) {
-            const int r = i * G + h;
-            const float inv = 1.0f / rb.den[r];
-            for (int64_t d = 0; d < D; ++d) rb.acc[r][d] *= inv;
-            unrotate_row(rb.acc[r], RTp, D, orow);   // de-rotate once per head and step
-            scalar_t* dst = op + ((w.t0 + i) * H + w.kv_head * G + h) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = from_f<scalar_t>(orow[d]);
-          }
+        store_rows(rb, w, G, H, D, op,   // de-rotate once per head and step
+                   [&](const float* src, float* dst, int64_t n) { unrotate_row(src, RTp, n, dst); });
       }
     });
   });
