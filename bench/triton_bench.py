@@ -1,9 +1,7 @@
-"""Decode speed through the real tritonserver (client load generator) against the in-process engine."""
+"""The real tritonserver serving qwen3_a8w8, measured with the client load generator, as a bench "system"."""
 from __future__ import annotations
 
 import asyncio
-import statistics
-import tempfile
 from pathlib import Path
 
 from backend_lib.serving.server_process import TritonServer, make_repository
@@ -11,26 +9,30 @@ from bench.workers.common import prompts
 from client.loadgen import run_load
 
 
-def triton_decode(checkpoints: dict[str, Path], repeats: int = 3, new_tokens: int = 128) -> list[dict]:
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-triton-") as tmp:
-        repo = make_repository(Path(tmp) / "models", {
-            "qwen3_a8w8": {"checkpoint": str(checkpoints["a8w8"]), "kv_cache_memory": "4GiB", "max_model_len": "2048",
+class TritonSystem:
+    """call(op="decode", batch=B, ...) streams B concurrent requests through gRPC: decode tokens/s is
+    B / (mean inter-token latency), the rate the clients see once their first token has arrived."""
+
+    def __init__(self, checkpoint: Path, out_dir: Path):
+        repo = make_repository(out_dir / "triton-models", {
+            "qwen3_a8w8": {"checkpoint": str(checkpoint), "kv_cache_memory": "2GiB", "max_model_len": "1100",
                            "max_num_seqs": "16"}})
-        server = TritonServer(repo, Path(tmp) / "tritonserver.log").start(timeout=600)
-        try:
-            for concurrency in (1, 16):
-                ps = prompts(concurrency, 128)
-                reqs = [{"input_ids": p, "stream": True, "max_tokens": new_tokens,
-                         "sampling_parameters": {"temperature": 0, "ignore_eos": True}} for p in ps]
-                asyncio.run(run_load(server.grpc_url, "qwen3_a8w8", concurrency, reqs[:1]))   # warm-up
-                runs = [asyncio.run(run_load(server.grpc_url, "qwen3_a8w8", concurrency, reqs)) for _ in range(repeats)]
-                itl = statistics.median(r["inter_token_latency_s"]["avg"] for r in runs)
-                ttft = statistics.median(r["time_to_first_token_s"]["avg"] for r in runs)
-                errors = sum(r["errors"] for r in runs)
-                rows.append({"system": "triton", "weights": "a8w8", "kv_cache": "bf16", "mode": "decode",
-                             "batch": concurrency, "prompt_len": 128, "new_tokens": new_tokens,
-                             "decode_tokens_per_s": concurrency / itl, "ttft_s": ttft, "errors": errors})
-        finally:
-            server.stop()
-    return rows
+        self.server = TritonServer(repo, out_dir / "tritonserver.log").start(timeout=600)
+        asyncio.run(run_load(self.server.grpc_url, "qwen3_a8w8", 1, [self._request(prompts(1, 16)[0], 2)]))
+
+    @staticmethod
+    def _request(ids, max_tokens):
+        return {"input_ids": ids, "stream": True, "max_tokens": max_tokens,
+                "sampling_parameters": {"temperature": 0, "ignore_eos": True}}
+
+    def call(self, op: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
+        assert op == "decode"
+        reqs = [self._request(p, new_tokens) for p in prompts(batch, prompt_len)]
+        r = asyncio.run(run_load(self.server.grpc_url, "qwen3_a8w8", batch, reqs))
+        if r["errors"]:
+            raise RuntimeError(f"tritonserver returned errors: {r['error_messages']}")
+        return {"decode_tokens_per_s": batch / r["inter_token_latency_s"]["avg"],
+                "ttft_s": r["time_to_first_token_s"]["avg"]}
+
+    def close(self) -> None:
+        self.server.stop()

@@ -1,10 +1,10 @@
-"""transformers `generate` (the baseline): decode tokens/s and time to first token.
+"""transformers `generate`, the baseline (see common.py for the protocol).
 
-    python -m bench.workers.hf_worker --checkpoint DIR --mode decode|ttft [--batches 1,8,16]
+    python -m bench.workers.hf_worker --checkpoint DIR
 """
 from __future__ import annotations
 
-from bench.workers.common import arg_parser, measure
+from bench.workers.common import arg_parser, serve
 
 
 def main() -> None:
@@ -20,7 +20,7 @@ def main() -> None:
             model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                            do_sample=False, pad_token_id=0)
 
-    measure(args, run)
+    serve(run)
 
 
 if __name__ == "__main__":
