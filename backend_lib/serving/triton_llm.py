@@ -94,8 +94,9 @@ class TritonLLMModel:
             raise pb_utils.TritonModelException(f"{self.name}: model_transaction_policy.decoupled must be true")
         cfg = engine_config_from_args(args)
         log.info("%s: loading %s on %s (%s KV cache)", self.name, cfg.checkpoint, cfg.device, cfg.kv_cache)
-        self.engine = LLMEngine(cfg)
-        self.loop = EngineLoop(self.engine, name=f"{self.name}-engine")
+        # Built in the engine thread: one OpenMP team in the process (see EngineLoop.build).
+        self.loop = EngineLoop.build(lambda: LLMEngine(cfg), name=f"{self.name}-engine")
+        self.engine = self.loop.engine
         self.metrics = EngineMetrics(pb_utils, {"model": self.name, "version": args.get("model_version", "1")})
         self._queue: queue.Queue = queue.Queue()
         self._active: dict[str, RequestState] = {}
