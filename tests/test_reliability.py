@@ -360,13 +360,17 @@ def test_soak_64_concurrent_streams(server, a8w8_ckpt):
         rounds += 1
         rss.append(server.rss_mib(m))
     assert _wait_pages_free(server, m, 5)
-    half = rss[len(rss) // 2:]   # the first rounds warm the allocator up; after that memory must stay flat
+    # The first third warms the allocator up; after that memory must stay flat. Single samples swing by
+    # tens of MiB as the allocator takes and returns arenas, so compare the medians of the last two thirds.
+    third = max(1, len(rss) // 3)
+    mid_rss, end_rss = statistics.median(rss[third:2 * third]), statistics.median(rss[2 * third:])
     q = statistics.quantiles(gaps, n=100)
     FIGURES["soak"] = {"rounds": rounds, "concurrent_streams": 64, "requests": requests, "tokens_checked": tokens,
                        "errors": errors, "mismatched_streams": mismatches,
                        "itl_p50_ms": round(q[49] * 1000, 2), "itl_p99_ms": round(q[98] * 1000, 2),
                        "seconds": round(time.time() - t_start, 1), "stub_rss_mib_first_round": round(rss[0], 1),
-                       "stub_rss_mib_mid_run": round(half[0], 1), "stub_rss_mib_end": round(rss[-1], 1)}
+                       "stub_rss_mib_middle_third_median": round(mid_rss, 1),
+                       "stub_rss_mib_last_third_median": round(end_rss, 1)}
     print("\nsoak: " + json.dumps(FIGURES["soak"]))
     assert errors == 0 and mismatches == 0 and rounds >= 4
-    assert max(half) - half[0] < 16, f"memory kept growing in the second half of the soak: {rss}"
+    assert end_rss - mid_rss < 16, f"memory kept growing during the soak: {rss}"
