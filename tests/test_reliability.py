@@ -215,7 +215,37 @@ def _wait_pages_free(server, model, seconds):
     return False
 
 
-def test_200_grpc_cancel_cycles_leave_no_pages_and_flat_memory(server):
+# Triton 2.51's gRPC frontend (the server in the nvidia-pytriton wheel) has a race between a stream's
+# cancellation and a response arriving at the same moment that can crash the server process with
+# SIGSEGV; upstream fixed it in triton-inference-server/server#7840 and #8078 (Triton 24.12 / 25.03).
+# It is rare (once in about ten runs of this test here) and outside this repository: when it is exactly
+# that crash, the test is reported as an expected failure; any other failure fails it.
+UPSTREAM_CANCEL_RACE = ("tritonserver 2.51 segfaulted in its gRPC cancellation path (upstream race, fixed in "
+                        "triton-inference-server/server#7840 and #8078)")
+
+
+@pytest.fixture
+def cancel_server(tmp_path_factory, a8w8_ckpt):
+    """A server of its own, so that the upstream crash above cannot take the other tests down with it."""
+    from backend_lib.serving.server_process import TritonServer, make_repository
+
+    root = tmp_path_factory.mktemp("cancel-cycles")
+    repo = make_repository(root / "models", {"qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt)}})
+    srv = TritonServer(repo, root / "tritonserver.log").start()
+    yield srv
+    srv.stop()
+
+
+def test_200_grpc_cancel_cycles_leave_no_pages_and_flat_memory(cancel_server):
+    try:
+        _cancel_cycles(cancel_server)
+    except Exception:
+        if cancel_server.proc.poll() is not None and "Signal (11) received" in cancel_server.log_tail(200):
+            pytest.xfail(UPSTREAM_CANCEL_RACE)
+        raise
+
+
+def _cancel_cycles(server) -> None:
     url, m = server.grpc_url, "qwen3_a8w8"
     rss_before = server.rss_mib(m)
     t0 = time.time()
