@@ -304,18 +304,10 @@ def _pages(triton, model):
     return triton.metric("vllm:kv_cache_pages_used", model)
 
 
-def _cancelled(triton, model) -> float:
-    """Requests finished as cancelled (the counter appears with the first one)."""
-    try:
-        return triton.metric("vllm:request_success_total", model, finished_reason="cancelled")
-    except KeyError:
-        return 0.0
-
-
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_closing_a_stream_early_frees_the_requests_pages(triton, client, kind):
     model = "qwen3_tq"
-    cancelled = _cancelled(triton, model)
+    cancelled = triton.finished_total(model, "cancelled")
     if kind == "chat":
         stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=900, stream=True, **GREEDY)
     else:
@@ -329,15 +321,15 @@ def test_closing_a_stream_early_frees_the_requests_pages(triton, client, kind):
     assert wait_until(lambda: _pages(triton, model) == 0, 2.0), "the Triton request kept its KV pages"
     assert time.time() - t0 < 2.0   # far less than 900 tokens take
     assert triton.metric("vllm:num_requests_running", model) == 0
-    assert _cancelled(triton, model) == cancelled + 1
+    assert triton.finished_total(model, "cancelled") == cancelled + 1
     assert client.completions.create(model=model, prompt=PROMPT, max_tokens=3, **GREEDY).usage.completion_tokens == 3
 
 
 def test_a_client_that_gives_up_on_a_whole_response_cancels_it(triton, front):
     model = "qwen3_tq"
-    cancelled = _cancelled(triton, model)
+    cancelled = triton.finished_total(model, "cancelled")
     body = {"model": model, "prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
     with pytest.raises(requests.Timeout):
         requests.post(f"{front.url}/v1/completions", json=body, timeout=1.0)
     assert wait_until(lambda: _pages(triton, model) == 0, 2.0)
-    assert _cancelled(triton, model) == cancelled + 1
+    assert triton.finished_total(model, "cancelled") == cancelled + 1

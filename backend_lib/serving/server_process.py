@@ -102,6 +102,13 @@ class TritonServer:
         with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=5) as r:
             return r.read().decode()
 
+    def finished_total(self, model: str, reason: str) -> float:
+        """vllm:request_success_total for one finish reason; 0 before the first (the series appears with it)."""
+        try:
+            return self.metric("vllm:request_success_total", model, finished_reason=reason)
+        except KeyError:
+            return 0.0
+
     def metric(self, name: str, model: str, **labels) -> float:
         """Sum of the samples of `name` for `model` whose labels include `labels`."""
         total, found = 0.0, False
