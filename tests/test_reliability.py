@@ -260,7 +260,7 @@ def _cancel_cycles(server) -> None:
         client.close()
     assert _wait_pages_free(server, m, 5), "pages still in use after the cancel cycles"
     rss_after = server.rss_mib(m)
-    cancelled = server.metric("vllm:request_success_total", m, finished_reason="cancelled")
+    cancelled = server.finished_total(m, "cancelled")
     FIGURES["cancel_cycles"] = {"cycles": 200, "seconds": round(time.time() - t0, 1), "cancelled_total": cancelled,
                                 "stub_rss_mib_before": round(rss_before, 1), "stub_rss_mib_after": round(rss_after, 1)}
     assert cancelled >= 200

@@ -134,7 +134,7 @@ def test_cancelling_a_stream_frees_its_pages(triton):
         time.sleep(0.1)
     assert triton.metric("vllm:kv_cache_pages_used", "qwen3_tq") == 0
     assert triton.metric("vllm:num_requests_running", "qwen3_tq") == 0
-    assert triton.metric("vllm:request_success_total", "qwen3_tq", finished_reason="cancelled") >= 1
+    assert triton.finished_total("qwen3_tq", "cancelled") >= 1
     # and the model keeps serving
     assert len(stream_generate(triton.grpc_url, "qwen3_tq", PROMPT, max_tokens=4, **GREEDY)["output_ids"]) == 4
 
@@ -166,7 +166,7 @@ def test_metric_counts_are_exact_for_a_known_request(triton):
     before = {k: triton.metric(k, m) for k in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                                                "vllm:time_to_first_token_seconds_count",
                                                "vllm:inter_token_latency_seconds_count")}
-    length_before = triton.metric("vllm:request_success_total", m, finished_reason="length")
+    length_before = triton.finished_total(m, "length")
     res = stream_generate(triton.grpc_url, m, input_ids=ids, max_tokens=9, **GREEDY)
     assert len(res["output_ids"]) == 9 and res["finish_reason"] == "length"
     time.sleep(0.3)
@@ -175,5 +175,5 @@ def test_metric_counts_are_exact_for_a_known_request(triton):
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 9
     assert after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 1
     assert after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"] == 8
-    assert triton.metric("vllm:request_success_total", m, finished_reason="length") - length_before == 1
+    assert triton.finished_total(m, "length") - length_before == 1
     assert triton.metric("vllm:kv_cache_pages_total", m) > 0

@@ -160,5 +160,10 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        if self.proc:   # a server that crashed leaves its model stubs behind in its process group
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if getattr(self, "_log", None):
             self._log.close()
