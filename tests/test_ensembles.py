@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import queue
-import time
 import urllib.request
 
 import numpy as np
@@ -166,16 +165,12 @@ def test_cancellation_through_the_ensemble_stops_the_stream_not_a_running_llm_st
         assert e is None
     client.stop_stream(cancel_requests=True)
     client.close()
-    deadline = time.time() + 120
-    while time.time() < deadline and (triton.finished_total(m, "length") == length
-                                      and triton.finished_total(m, "cancelled") == cancelled):
-        time.sleep(0.1)
+    triton.wait_until(lambda: (triton.finished_total(m, "length"), triton.finished_total(m, "cancelled"))
+                      != (length, cancelled), 120, poll=0.1)
     # the LLM step ran to its max_tokens: if this fails with a cancellation instead, Triton now propagates
     # ensemble cancellation into running steps: update the README and this test
     assert triton.finished_total(m, "cancelled") == cancelled
     assert triton.finished_total(m, "length") == length + 1
-    deadline = time.time() + 5   # the gauges are refreshed every 0.1 s
-    while time.time() < deadline and triton.metric("vllm:kv_cache_pages_used", m) > 0:
-        time.sleep(0.05)
+    triton.wait_until(lambda: triton.metric("vllm:kv_cache_pages_used", m) == 0, 5)
     assert triton.metric("vllm:kv_cache_pages_used", m) == 0
     assert len(stream_generate(triton.grpc_url, "qwen3_tq_ensemble", "hi", max_tokens=3, **GREEDY)["output_ids"]) == 3

@@ -26,6 +26,7 @@ import tritonclient.grpc as grpcclient
 from client.stream import stream_generate
 from client.triton_inputs import build_inputs, is_final, response_text
 from conftest import SERVER_ENGINE, make_engine
+from test_triton_server import collect
 
 pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.reliability]
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -64,30 +65,6 @@ def server(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     yield srv
     srv.stop()
     print("\nreliability figures: " + json.dumps(FIGURES))
-
-
-def collect(url, model, timeout=120, raw_inputs=None, **request):
-    """All responses of one streamed request as (text, ids, final) or ("ERROR", message, True)."""
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, raw_inputs if raw_inputs is not None else build_inputs(**request),
-                              enable_empty_final_response=True)
-    out = []
-    try:
-        while True:
-            r, e = results.get(timeout=timeout)
-            if e is not None:
-                out.append(("ERROR", str(e), True))
-                break
-            text, ids = response_text(r)
-            out.append((text, ids, is_final(r)))
-            if is_final(r):
-                break
-    finally:
-        client.stop_stream()
-        client.close()
-    return out
 
 
 def tensor(name, arr, dtype):
@@ -206,13 +183,8 @@ def test_kv_exhaustion_preempts_and_every_request_completes_correctly(server, a8
 
 
 def _wait_pages_free(server, model, seconds):
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if server.metric("vllm:kv_cache_pages_used", model) == 0 and \
-                server.metric("vllm:num_requests_running", model) == 0:
-            return True
-        time.sleep(0.05)
-    return False
+    return server.wait_until(lambda: server.metric("vllm:kv_cache_pages_used", model) == 0 and
+                             server.metric("vllm:num_requests_running", model) == 0, seconds)
 
 
 # Triton 2.51's gRPC frontend (the server in the nvidia-pytriton wheel) has a race between a stream's
@@ -281,9 +253,7 @@ def test_closed_http_generate_stream_aborts_the_request(server):
     resp = conn.getresponse()
     for _ in range(3):
         assert resp.fp.readline()
-    deadline = time.time() + 5
-    while time.time() < deadline and server.metric("vllm:kv_cache_pages_used", m) == 0:
-        time.sleep(0.05)
+    server.wait_until(lambda: server.metric("vllm:kv_cache_pages_used", m) > 0, 5)
     assert server.metric("vllm:kv_cache_pages_used", m) > 0
     before = server.finished_total(m, "cancelled")
     conn.sock.shutdown(2)

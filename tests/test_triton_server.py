@@ -31,16 +31,18 @@ def offline_generate(ckpt, prompt, max_tokens, dtype="bfloat16", kv_cache="bf16"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def collect(url, model, **request) -> list:
-    """All responses of one gRPC stream request, as (text, ids, final) tuples."""
+def collect(url, model, timeout=120, raw_inputs=None, **request) -> list:
+    """All responses of one gRPC stream request, as (text, ids, final) tuples, or ("ERROR", message, True).
+    raw_inputs: InferInput tensors to send as they are instead of build_inputs(**request)."""
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, build_inputs(**request), enable_empty_final_response=True)
+    client.async_stream_infer(model, raw_inputs if raw_inputs is not None else build_inputs(**request),
+                              enable_empty_final_response=True)
     out = []
     try:
         while True:
-            r, e = results.get(timeout=120)
+            r, e = results.get(timeout=timeout)
             if e is not None:
                 out.append(("ERROR", str(e), True))
                 break
@@ -123,16 +125,15 @@ def test_cancelling_a_stream_frees_its_pages(triton):
     for _ in range(5):
         r, e = got.get(timeout=60)
         assert e is None
-    deadline = time.time() + 5   # the gauges are refreshed every 0.1 s
-    while time.time() < deadline and triton.metric("vllm:kv_cache_pages_used", "qwen3_tq") == 0:
-        time.sleep(0.05)
-    assert triton.metric("vllm:kv_cache_pages_used", "qwen3_tq") > 0
+    def pages():
+        return triton.metric("vllm:kv_cache_pages_used", "qwen3_tq")
+
+    triton.wait_until(lambda: pages() > 0, 5)
+    assert pages() > 0
     client.stop_stream(cancel_requests=True)
     client.close()
-    deadline = time.time() + 2   # far less than the 1000 tokens would take
-    while time.time() < deadline and triton.metric("vllm:kv_cache_pages_used", "qwen3_tq") > 0:
-        time.sleep(0.1)
-    assert triton.metric("vllm:kv_cache_pages_used", "qwen3_tq") == 0
+    triton.wait_until(lambda: pages() == 0, 2, poll=0.1)   # far less than the 1000 tokens would take
+    assert pages() == 0
     assert triton.metric("vllm:num_requests_running", "qwen3_tq") == 0
     assert triton.finished_total("qwen3_tq", "cancelled") >= 1
     # and the model keeps serving

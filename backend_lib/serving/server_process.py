@@ -102,6 +102,16 @@ class TritonServer:
         with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=5) as r:
             return r.read().decode()
 
+    def wait_until(self, condition, seconds: float, poll: float = 0.05) -> bool:
+        """Polls condition() (e.g. a metric reaching a value; gauges refresh every 0.1 s) until it holds or
+        `seconds` pass; returns whether it held."""
+        deadline = time.time() + seconds
+        while not condition():
+            if time.time() >= deadline:
+                return False
+            time.sleep(poll)
+        return True
+
     def finished_total(self, model: str, reason: str) -> float:
         """vllm:request_success_total for one finish reason; 0 before the first (the series appears with it)."""
         try:
