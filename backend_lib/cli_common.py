@@ -1,22 +1,29 @@
-"""Arguments shared by the command-line tools (checkpoint, dtype, KV cache, device)."""
+"""Arguments shared by the command-line tools (checkpoint, dtype, KV cache, device).
+
+Defaults are EngineConfig's (an option left out is not passed), so the CLIs, the Triton models and
+the bench never disagree about them.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
 
 from .config import EngineConfig
+from .kernels import KERNEL_BACKENDS
+from .kv_cache import KV_CACHE_KINDS
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    d = EngineConfig(checkpoint="-")
     ap.add_argument("--checkpoint", required=True, help="checkpoint folder (config.json, safetensors, tokenizer)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the checkpoint)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    ap.add_argument("--kv-cache", default="bf16", choices=["bf16", "tq"])
-    ap.add_argument("--page-size", type=int, default=128)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--kv-cache-memory", default="1GiB")
-    ap.add_argument("--kernels", default="auto", choices=["auto", "reference", "cpu"])
+    ap.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help=f"default {d.dtype}")
+    ap.add_argument("--kv-cache", choices=list(KV_CACHE_KINDS), help=f"default {d.kv_cache}")
+    ap.add_argument("--page-size", type=int, help=f"default {d.page_size}")
+    ap.add_argument("--device", help=f"default {d.device}")
+    ap.add_argument("--max-model-len", type=int, help="default: the checkpoint's, capped by the KV budget")
+    ap.add_argument("--kv-cache-memory", help=f"default {d.kv_cache_memory}")
+    ap.add_argument("--kernels", choices=list(KERNEL_BACKENDS), help=f"default {d.kernels}")
     ap.add_argument("-v", "--verbose", action="store_true", help="log loading progress to stderr")
 
 
@@ -27,7 +34,7 @@ def engine_config(args, **overrides) -> EngineConfig:
                   page_size=args.page_size, device=args.device, max_model_len=args.max_model_len,
                   kv_cache_memory=args.kv_cache_memory, kernels=args.kernels)
     fields.update(overrides)
-    return EngineConfig(**fields)
+    return EngineConfig(**{k: v for k, v in fields.items() if v is not None})
 
 
 def parse_ids(text: str) -> list[int]:

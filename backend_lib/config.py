@@ -1,9 +1,11 @@
-"""Engine configuration: every knob of a served model, validated with errors that name the knob."""
+"""Engine configuration: every knob of a served model, its one default, validated once with errors that
+name the knob. The Triton models (LLM and tokenizer), the CLIs and the bench all build it here."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
 
+from .kernels import KERNEL_BACKENDS
 from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
 from .sampling.params import SamplingLimits
 
@@ -16,9 +18,9 @@ class EngineConfig:
     dtype: str = "bfloat16"                # compute dtype: bfloat16 | float32 (| float16 off the CPU)
     kv_cache: str = "bf16"                 # bf16 (model dtype) | tq (TurboQuant 4-bit)
     page_size: int = 128
-    kv_cache_memory: str | float | int = "1GiB"   # bytes ('2GiB') or a fraction (0.3) of free memory
-    max_num_seqs: int = 16
-    max_model_len: int | None = None       # default: min(checkpoint max_position_embeddings, 8192)
+    kv_cache_memory: str | float | int = "2GiB"   # bytes ('2GiB') or a fraction (0.3) of free memory
+    max_num_seqs: int = 64
+    max_model_len: int | None = None       # default: the checkpoint's positions, capped by what the KV pool holds
     max_num_batched_tokens: int = 512      # prefill chunk budget per step
     default_max_tokens: int = 256
     max_waiting_requests: int = 256        # beyond this, new requests are refused at once (UNAVAILABLE)
@@ -72,8 +74,8 @@ class EngineConfig:
             raise ValueError(f"page_size: a multiple of 16 up to 1024, got {self.page_size}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len: must be > 1, got {self.max_model_len}")
-        if self.kernels not in ("auto", "reference", "cpu"):
-            raise ValueError(f"kernels: {self.kernels!r} is not one of auto, reference, cpu")
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"kernels: {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
         parse_memory_budget(self.kv_cache_memory)
         if self.fault_injection:
             fault_every(self.fault_injection)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from backend_lib.serving.server_process import TritonServer, make_repository
+from harness.triton_server import TritonServer, make_repository
 from bench.workers.common import prompts
 from client.loadgen import run_load
 

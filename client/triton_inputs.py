@@ -6,54 +6,47 @@ import json
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-SCALAR_TYPES = {"max_tokens": ("INT32", np.int32), "min_tokens": ("INT32", np.int32), "top_k": ("INT32", np.int32),
-                "beam_width": ("INT32", np.int32), "temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
-                "presence_penalty": ("FP32", np.float32), "frequency_penalty": ("FP32", np.float32),
-                "repetition_penalty": ("FP32", np.float32), "seed": ("UINT64", np.uint64)}
-FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-         "return_num_output_tokens", "return_logprobs")
+from backend_lib.serving.schema import LLM_INPUT, TOKENIZER_INPUTS
+
+FIELDS = {**LLM_INPUT, **{f.name: f for f in TOKENIZER_INPUTS}}
 
 
-def _tensor(name, arr, dtype, module=grpcclient):
-    t = module.InferInput(name, list(arr.shape), dtype)
+def tensor(name: str, value, module=grpcclient):
+    """One input tensor of the schema's type: a scalar becomes [value], a list stays a list."""
+    f = FIELDS[name]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if f.type == "TYPE_STRING":
+        values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+    arr = np.array(values, dtype=f.np_dtype)
+    t = module.InferInput(name, list(arr.shape), f.wire_type)
     t.set_data_from_numpy(arr)
     return t
 
 
 def build_inputs(prompt: str | None = None, input_ids: list[int] | None = None, *, stream: bool = True,
                  sampling_parameters: dict | None = None, stop_words: list[str] | None = None,
-                 messages: list[dict] | None = None, enable_thinking: bool | None = None, module=grpcclient,
-                 **fields) -> list:
+                 messages: list[dict] | None = None, module=grpcclient, **fields) -> list:
     """prompt/input_ids (or chat `messages` for the ensembles); sampling_parameters as the vLLM JSON; other
-    keyword fields as scalar tensors (TensorRT-LLM dialect: max_tokens=32, temperature=0.0, ...) or flags
-    (return_finish_reason=True)."""
+    keyword fields by their schema name: scalar tensors (TensorRT-LLM dialect: max_tokens=32,
+    temperature=0.0, ...) or flags (return_finish_reason=True, enable_thinking=False)."""
     inputs = []
     if messages is not None:
-        data = json.dumps(messages, ensure_ascii=False).encode()
-        inputs.append(_tensor("messages", np.array([data], dtype=np.object_), "BYTES", module))
-    if enable_thinking is not None:
-        inputs.append(_tensor("enable_thinking", np.array([enable_thinking], dtype=bool), "BOOL", module))
+        inputs.append(tensor("messages", json.dumps(messages, ensure_ascii=False), module))
     if prompt is not None:
-        inputs.append(_tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES", module))
+        inputs.append(tensor("text_input", prompt, module))
     if input_ids is not None:
-        inputs.append(_tensor("input_ids", np.array(input_ids, dtype=np.int32), "INT32", module))
-    inputs.append(_tensor("stream", np.array([stream], dtype=bool), "BOOL", module))
+        inputs.append(tensor("input_ids", list(input_ids), module))
+    inputs.append(tensor("stream", stream, module))
     if sampling_parameters:
-        data = json.dumps(sampling_parameters).encode()
-        inputs.append(_tensor("sampling_parameters", np.array([data], dtype=np.object_), "BYTES", module))
+        inputs.append(tensor("sampling_parameters", json.dumps(sampling_parameters), module))
     if stop_words:
-        inputs.append(_tensor("stop_words", np.array([s.encode() for s in stop_words], dtype=np.object_), "BYTES",
-                              module))
+        inputs.append(tensor("stop_words", list(stop_words), module))
     for name, value in fields.items():
         if value is None:
             continue
-        if name in SCALAR_TYPES:
-            triton_type, np_type = SCALAR_TYPES[name]
-            inputs.append(_tensor(name, np.array([value], dtype=np_type), triton_type, module))
-        elif name in FLAGS:
-            inputs.append(_tensor(name, np.array([bool(value)], dtype=bool), "BOOL", module))
-        else:
+        if name not in FIELDS or FIELDS[name].role not in ("sampling", "flag", "control"):
             raise ValueError(f"unknown request field {name!r}")
+        inputs.append(tensor(name, value, module))
     return inputs
 
 

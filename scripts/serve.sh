@@ -3,6 +3,7 @@
 # when none is configured (A8W8 for qwen3_a8w8, bf16 for qwen3_tq), and starts tritonserver with
 # every model of model_repository/ on localhost. Extra arguments go to tritonserver.
 #   DEMO_SIZE=tiny ./scripts/serve.sh     # a seconds-to-build toy model instead of the Qwen3-0.6B shape
+#   BIND_ADDRESS=0.0.0.0 ./scripts/serve.sh   # listen on every interface (default: 127.0.0.1 only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -25,8 +26,10 @@ build_demo a8w8 QWEN3_A8W8_CHECKPOINT
 build_demo bf16 QWEN3_TQ_CHECKPOINT
 export QWEN3_TOKENIZER_CHECKPOINT="${QWEN3_TOKENIZER_CHECKPOINT:-$QWEN3_TQ_CHECKPOINT}"
 HTTP_PORT="${HTTP_PORT:-8000}"; GRPC_PORT="${GRPC_PORT:-8001}"; METRICS_PORT="${METRICS_PORT:-8002}"
+BIND_ADDRESS="${BIND_ADDRESS:-127.0.0.1}"
 cat <<MSG
-[serve] starting tritonserver (HTTP :$HTTP_PORT, gRPC :$GRPC_PORT, metrics :$METRICS_PORT). Once the models are READY,
+[serve] starting tritonserver on $BIND_ADDRESS (HTTP :$HTTP_PORT, gRPC :$GRPC_PORT, metrics :$METRICS_PORT).
+        BIND_ADDRESS=0.0.0.0 exposes it beyond this machine. Once the models are READY,
         in another terminal:
           . .venv/bin/activate
           python -m client.stream --model qwen3_a8w8 --prompt "Hello" --url localhost:$GRPC_PORT
@@ -35,5 +38,6 @@ cat <<MSG
 MSG
 # --exit-on-error=false: a model that fails to load stays UNAVAILABLE (with its error in the log) while the
 # others serve, instead of taking the whole server down.
-exec tritonserver --model-repository model_repository --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
-    --metrics-port "$METRICS_PORT" --exit-on-error=false "$@"
+exec tritonserver --model-repository model_repository --exit-on-error=false \
+    --http-address "$BIND_ADDRESS" --http-port "$HTTP_PORT" --grpc-address "$BIND_ADDRESS" --grpc-port "$GRPC_PORT" \
+    --metrics-address "$BIND_ADDRESS" --metrics-port "$METRICS_PORT" "$@"

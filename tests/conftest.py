@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from helpers import SERVER_ENGINE, make_engine  # noqa: E402
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -42,16 +44,6 @@ def a8w8_ckpt(ckpts) -> Path:
     return ckpts.get("tiny-a8w8", "a8w8")
 
 
-def make_engine(checkpoint, **kw):
-    from backend_lib.config import EngineConfig
-    from backend_lib.engine import LLMEngine
-
-    opts = dict(dtype="float32", page_size=16, kv_cache_memory="64MiB", max_model_len=1024, max_num_seqs=8,
-                max_num_batched_tokens=64)
-    opts.update(kw)
-    return LLMEngine(EngineConfig(checkpoint=str(checkpoint), **opts))
-
-
 @pytest.fixture(scope="session")
 def bf16_engine(bf16_ckpt):
     return make_engine(bf16_ckpt)
@@ -62,14 +54,10 @@ def a8w8_engine(a8w8_ckpt):
     return make_engine(a8w8_ckpt, dtype="bfloat16")
 
 
-SERVER_ENGINE = {"page_size": "16", "kv_cache_memory": "64MiB", "max_model_len": "1024", "max_num_seqs": "16",
-                 "max_num_batched_tokens": "64", "dtype": "bfloat16"}
-
-
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     """The real tritonserver serving every model of model_repository/ on the tiny test checkpoints."""
-    from backend_lib.serving.server_process import TritonServer, make_repository
+    from harness.triton_server import TritonServer, make_repository
 
     root = tmp_path_factory.mktemp("triton")
     repo = make_repository(root / "models", {

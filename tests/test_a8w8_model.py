@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from backend_lib.kernels.reference import quantize_per_token
-from conftest import make_engine
+from helpers import make_engine
 
 TEXT = "The quick brown fox jumps over the lazy dog. 敏捷的棕色狐狸跳过了懒狗。 " * 3
 

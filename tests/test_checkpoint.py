@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backend_lib.checkpoint import CheckpointError, parse_quantization_config
-from conftest import make_engine
+from helpers import make_engine
 
 
 def _copy(src, tmp_path, name="ck"):
@@ -127,7 +127,7 @@ def test_untied_embeddings(ckpts):
     tensors = load_file(str(untied / "model.safetensors"))
     assert "lm_head.weight" in tensors
     eng = make_engine(untied)
-    assert eng.model.embed_tokens is not None
+    assert eng.runner.model.embed_tokens is not None
     ids = torch.arange(8)
-    assert not torch.equal(eng.model.lm_head.rows(ids), eng.model.embed(ids))
+    assert not torch.equal(eng.runner.model.lm_head.rows(ids), eng.runner.model.embed(ids))
     assert len(eng.generate([[1, 2, 3]], eng.make_params({"temperature": 0, "max_tokens": 4}))[0]["output_ids"]) >= 1

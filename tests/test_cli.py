@@ -6,7 +6,7 @@ import math
 import subprocess
 import sys
 
-from conftest import ROOT
+from helpers import ROOT
 
 
 def run(*args):

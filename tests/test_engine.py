@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backend_lib.sampling.params import RequestError
-from conftest import make_engine
+from helpers import make_engine
 
 PROMPTS = [
     "Hello, world!",
@@ -80,7 +80,7 @@ def test_requests_join_a_running_batch(bf16_engine):
 def test_tiny_page_pool_preempts_and_every_request_completes_identically(bf16_ckpt):
     # 6 pages of 16 tokens: a single 64-token max-length sequence fits, 4 concurrent ones do not
     eng = make_engine(bf16_ckpt, kv_cache_memory=6 * 16 * 1024, max_model_len=64, max_num_seqs=4)
-    assert eng.kv_cache.num_pages == 6
+    assert eng.runner.kv_cache.num_pages == 6
     prompts = [eng.tokenizer.encode(p)[:20] for p in PROMPTS]
     params = greedy(eng, 40)
     solo = [eng.generate([p], params)[0] for p in prompts]
@@ -186,3 +186,33 @@ def test_max_tokens_and_max_model_len_give_length(bf16_ckpt):
     ids = eng.tokenizer.encode(PROMPTS[1])[:30]
     res = eng.generate([ids], greedy(eng, 100))[0]
     assert res["finish_reason"] == "length" and len(res["output_ids"]) == 10
+
+
+def test_max_model_len_follows_the_checkpoint_capped_by_the_kv_budget(bf16_ckpt):
+    from backend_lib.kv_cache import DenseKVCache
+
+    eng = make_engine(bf16_ckpt, max_model_len=None)
+    positions = eng.model_config.max_position_embeddings
+    assert eng.max_model_len == positions                           # 64 MiB holds the tiny model's 4096
+    mc = eng.model_config
+    per_token = DenseKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.dtype)
+    small = make_engine(bf16_ckpt, max_model_len=None, kv_cache_memory=per_token * 300)
+    assert small.max_model_len == 288                               # whole 16-token pages that 300 tokens hold
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_engine(bf16_ckpt, max_model_len=positions + 1)
+
+
+def test_min_tokens_above_the_effective_max_tokens_is_an_error(bf16_engine):
+    eng = bf16_engine
+    with pytest.raises(RequestError, match="min_tokens"):
+        eng.make_request("m", [1, 2], eng.make_params({"min_tokens": eng.cfg.default_max_tokens + 1}))
+    eng.make_request("m", [1, 2], eng.make_params({"min_tokens": eng.cfg.default_max_tokens}))
+
+
+def test_vllm_neutral_keys_are_accepted_and_others_named(bf16_engine):
+    eng = bf16_engine
+    eng.make_params({"n": 1, "best_of": 1, "min_p": 0.0, "logit_bias": {}, "use_beam_search": False,
+                     "length_penalty": 1.0, "prompt_logprobs": None})
+    for key, value in [("n", 2), ("best_of", 3), ("logit_bias", {"5": 1.0}), ("use_beam_search", True)]:
+        with pytest.raises(RequestError, match=repr(key)):
+            eng.make_params({key: value})

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from backend_lib.engine import EngineLoop
-from conftest import make_engine
+from helpers import make_engine
 
 
 def _run(loop: EngineLoop, rid: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
@@ -47,11 +47,3 @@ def test_build_raises_the_factory_error_in_the_caller():
 
     with pytest.raises(ValueError, match="no such folder"):
         EngineLoop.build(factory)
-
-
-def test_a_built_engine_can_still_be_passed_in(bf16_ckpt):
-    loop = EngineLoop(make_engine(bf16_ckpt))
-    try:
-        assert len(_run(loop, "b", [9707, 11], max_tokens=4)) == 4
-    finally:
-        loop.shutdown()

@@ -13,8 +13,7 @@ from backend_lib.tokenizer import Tokenizer
 from client.http_stream import generate_stream
 from client.stream import stream_generate
 from client.triton_inputs import build_inputs
-from test_tokenizer import CONVERSATIONS
-from test_triton_server import GREEDY, collect
+from helpers import CONVERSATIONS, GREEDY, collect, tokenizer_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -29,23 +28,6 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def tok(bf16_ckpt):
     return Tokenizer(bf16_ckpt)
-
-
-def tokenizer_model(url, **inputs):
-    client = grpcclient.InferenceServerClient(url)
-    tensors = []
-    for name, value in inputs.items():
-        if isinstance(value, bool):
-            arr, dtype = np.array([[value]], dtype=bool), "BOOL"
-        else:
-            arr, dtype = np.array([[value.encode()]], dtype=np.object_), "BYTES"
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
-    try:
-        return client.infer("qwen3_tokenizer", tensors).as_numpy("input_ids")[0].tolist()
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize("model", ["qwen3_a8w8_ensemble", "qwen3_a8w8", "qwen3_tq_ensemble"])

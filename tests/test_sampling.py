@@ -62,3 +62,11 @@ def test_invalid_parameters_name_the_field(kw, field):
 def test_unknown_keys_are_named():
     with pytest.raises(RequestError, match="'best_of'"):
         SamplingParams.from_dict({"best_of": 2})
+
+
+def test_min_p_keeps_tokens_within_a_fraction_of_the_top_probability():
+    logits = torch.tensor([[3.0, 2.9, 1.0, 0.0] + [-9.0] * 96])
+    s = Sampler()
+    picks = {s(logits, [FakeSeq(P(min_p=0.5), seed=seed)])[0].token_id for seed in range(60)}
+    assert picks == {0, 1}                     # p(2) / p(0) = e^-2 < 0.5: filtered
+    assert {s(logits, [FakeSeq(P(), seed=seed)])[0].token_id for seed in range(200)} > {0, 1}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from backend_lib.tokenizer import StopMatcher, Tokenizer
+from helpers import CONVERSATIONS
 
 TEXTS = [
     "介绍一下北京故宫",
@@ -12,16 +13,6 @@ TEXTS = [
     "def f(x):\n    return {'a': [1, 2, 3]}  # code\n",
     "Mixed: café naïve Ελληνικά русский 日本語 한국어",
 ]
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "Hello!"}],
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "介绍一下北京故宫"}],
-    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}, {"role": "user", "content": "x3?"}],
-    [{"role": "user", "content": "Think about 🎉"}],
-    [{"role": "user", "content": "code:\n```py\nprint(1)\n```"},
-     {"role": "assistant", "content": "<think>\nok\n</think>\n\nIt prints 1."}, {"role": "user", "content": "why"}],
-]
-
 
 @pytest.fixture(scope="module")
 def tok(bf16_ckpt):

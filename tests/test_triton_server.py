@@ -3,60 +3,19 @@ from __future__ import annotations
 
 import json
 import queue
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from client.http_stream import generate_stream
 from client.stream import stream_generate
-from client.triton_inputs import build_inputs, is_final, response_text
-from conftest import ROOT, SERVER_ENGINE
+from client.triton_inputs import build_inputs
+from helpers import GREEDY, PROMPT, collect, offline_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
-PROMPT = "The quick brown fox jumps over the lazy dog"
-
-
-def offline_generate(ckpt, prompt, max_tokens, dtype="bfloat16", kv_cache="bf16"):
-    proc = subprocess.run([sys.executable, "-m", "backend_lib.generate", "--checkpoint", str(ckpt), "--prompt", prompt,
-                           "--max-tokens", str(max_tokens), "--temperature", "0", "--ignore-eos", "--dtype", dtype,
-                           "--page-size", SERVER_ENGINE["page_size"], "--kv-cache", kv_cache, "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def collect(url, model, timeout=120, raw_inputs=None, **request) -> list:
-    """All responses of one gRPC stream request, as (text, ids, final) tuples, or ("ERROR", message, True).
-    raw_inputs: InferInput tensors to send as they are instead of build_inputs(**request)."""
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, raw_inputs if raw_inputs is not None else build_inputs(**request),
-                              enable_empty_final_response=True)
-    out = []
-    try:
-        while True:
-            r, e = results.get(timeout=timeout)
-            if e is not None:
-                out.append(("ERROR", str(e), True))
-                break
-            text, ids = response_text(r)
-            out.append((text, ids, is_final(r)))
-            if is_final(r):
-                break
-    finally:
-        client.stop_stream()
-        client.close()
-    return out
-
-
-GREEDY = {"sampling_parameters": {"temperature": 0, "ignore_eos": True}}
 
 
 def test_models_are_ready(triton):

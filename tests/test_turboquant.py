@@ -7,16 +7,18 @@ import torch
 from backend_lib.checkpoint import ModelConfig
 from backend_lib.kernels import REFERENCE, get_kernels
 from backend_lib.kernels import reference as ref
+from backend_lib.kv_cache import tq_codec as codec
+from backend_lib.kv_cache.layout import key_block_width
 from backend_lib.kv_cache.dense import DenseKVCache
 from backend_lib.kv_cache.pool import allocate_kv_cache
 from backend_lib.kv_cache.turboquant import TurboQuantKVCache
-from conftest import make_engine
+from helpers import make_engine
 
 CPU = get_kernels("cpu")
 
 
 def test_codebook_is_lloyd_max_for_n_0_1_over_d():
-    cents, bounds = ref.tq_codebook(128)
+    cents, bounds = codec.tq_codebook(128)
     expected = torch.tensor([0.1283950, 0.3880483, 0.6567591, 0.9423405, 1.2562312, 1.6180464, 2.0690172,
                              2.7325896]) / 128 ** 0.5
     assert torch.allclose(cents[8:], expected) and torch.allclose(cents[:8], -expected.flip(0))
@@ -24,11 +26,11 @@ def test_codebook_is_lloyd_max_for_n_0_1_over_d():
 
 
 def test_rotations_are_orthogonal_seeded_and_per_layer():
-    r0 = ref.tq_rotation(128, ref.tq_layer_seed(0, 0))
+    r0 = codec.tq_rotation(128, codec.tq_layer_seed(0, 0))
     assert torch.allclose(r0 @ r0.t(), torch.eye(128), atol=1e-5)
-    assert torch.equal(r0, ref.tq_rotation(128, ref.tq_layer_seed(0, 0)))
-    assert not torch.equal(r0, ref.tq_rotation(128, ref.tq_layer_seed(0, 1)))
-    assert not torch.equal(r0, ref.tq_rotation(128, ref.tq_layer_seed(1, 0)))
+    assert torch.equal(r0, codec.tq_rotation(128, codec.tq_layer_seed(0, 0)))
+    assert not torch.equal(r0, codec.tq_rotation(128, codec.tq_layer_seed(0, 1)))
+    assert not torch.equal(r0, codec.tq_rotation(128, codec.tq_layer_seed(1, 0)))
 
 
 def _encode_with(kernels, x, rot, cents, bounds):
@@ -51,11 +53,11 @@ def test_mse_on_random_unit_vectors_is_near_the_paper(d):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10_000, d, generator=g)
     x = x / x.norm(dim=1, keepdim=True)
-    cents, bounds = ref.tq_codebook(d)
-    rot = ref.tq_rotation(d, 123)
+    cents, bounds = codec.tq_codebook(d)
+    rot = codec.tq_rotation(d, 123)
     for kernels in (REFERENCE, CPU):
         codes, scales = _encode_with(kernels, x, rot, cents, bounds)
-        recon = ref.tq_decode(codes, scales, rot, cents)
+        recon = codec.tq_decode(codes, scales, rot, cents)
         mse = (recon - x).pow(2).sum(1).mean().item()
         print(f"\nd={d} {kernels.name}: D_mse = {mse:.5f}")
         assert 0.0039 < mse <= 0.0100
@@ -65,9 +67,9 @@ def test_mse_on_random_unit_vectors_is_near_the_paper(d):
 def test_cpu_encode_matches_reference():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2000, 128, generator=g) * 3
-    cents, bounds = ref.tq_codebook(128)
-    rot = ref.tq_rotation(128, 5)
-    c_ref, s_ref = ref.tq_encode(x, rot, cents, bounds)
+    cents, bounds = codec.tq_codebook(128)
+    rot = codec.tq_rotation(128, 5)
+    c_ref, s_ref = codec.tq_encode(x, rot, cents, bounds)
     c_cpu, s_cpu = _encode_with(CPU, x, rot, cents, bounds)
     idx_ref, idx_cpu = ref.tq_unpack(c_ref), ref.tq_unpack(c_cpu)
     differ = (idx_ref != idx_cpu)
@@ -125,10 +127,10 @@ def test_rotated_space_attention_equals_dequantize_then_attend(kernels, page_siz
     got = kernels.tq_paged_attention(q, cache.k_codes[0], cache.k_scales[0], cache.v_codes[0], cache.v_scales[0], bt,
                                      qsl, lens, rot, cents, 0.125)
     k_rows = ref.key_blocks_to_rows(cache.k_codes[0])                           # [P, KVH, S, D/2]
-    k_dense = ref.tq_decode(k_rows, cache.k_scales[0], rot, cents)             # back to the original space
-    v_dense = ref.tq_decode(cache.v_codes[0], cache.v_scales[0], rot, cents)
+    k_dense = codec.tq_decode(k_rows, cache.k_scales[0], rot, cents)             # back to the original space
+    v_dense = codec.tq_decode(cache.v_codes[0], cache.v_scales[0], rot, cents)
     p, h, s, d = k_dense.shape
-    kw = ref.key_block_width(s)
+    kw = key_block_width(s)
     k_dense = k_dense.reshape(p, h, s // kw, kw, d).transpose(3, 4).contiguous()   # the dense blocked K layout
     expected = ref.paged_attention(q, k_dense, v_dense, bt, qsl, lens, 0.125)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
@@ -165,7 +167,7 @@ def test_kv_quality_report_tq_moves_logprobs_but_little(ckpts):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     ckpt = ckpts.get("tiny-bf16-smooth", "bf16", initializer_range=0.02)
     proc = subprocess.run([sys.executable, "-m", "backend_lib.tools.kv_quality", "--checkpoint", str(ckpt),

@@ -1,41 +1,45 @@
 """Drives an LLMEngine from a background thread; requests come and go from any thread.
 
+EngineLoop.build(factory) constructs the engine inside the engine thread, which is then the only
+thread that touches it: the only one that runs the kernels' OpenMP parallel regions (a second
+OpenMP team, say the loading thread's, makes libgomp count more threads than cores and cut its
+spin-waiting to ~100 spins, so every parallel region pays a futex wake-up: a batch-1 decode step got
+~25 % slower), and the only one that reads or changes the scheduler, the block manager and the
+sequences. Other threads send typed messages (AddRequest, AbortRequest) and read `stats`, the
+snapshot the engine publishes each step.
+
 submit() validates at once (a bad request raises RequestError in the caller's thread and never
 reaches the engine); accepted requests join the running batch at the next step. Each request's
 outputs go to its callback, called from the engine thread: callbacks must only hand the output
 over (e.g. put it on a queue), never block.
-
-EngineLoop.build(factory) constructs the engine inside the engine thread as well. Then that thread is
-the only one that runs the kernels' OpenMP parallel regions: a second OpenMP team (say, the loading
-thread's) makes libgomp count more threads than cores and cut its spin-waiting to ~100 spins, so
-every parallel region pays a futex wake-up and a batch-1 decode step got ~25 % slower.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections import deque
+from dataclasses import replace
 from typing import Callable
 
 from ..sampling.params import SamplingParams
 from .llm_engine import LLMEngine
+from .messages import AbortAll, AbortRequest, AddRequest, Callback, EngineStats
 from .outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
-Callback = Callable[[RequestOutput], None]
-
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], name: str = "engine-loop"):
-        """engine: a built engine, or a factory that builds it in the engine thread (see build())."""
-        self._factory = engine if callable(engine) and not isinstance(engine, LLMEngine) else None
-        self.engine: LLMEngine | None = None if self._factory else engine
+    def __init__(self, factory: Callable[[], LLMEngine], name: str = "engine-loop"):
+        """Use EngineLoop.build(factory)."""
+        self._factory = factory
+        self.engine: LLMEngine | None = None
         self._cv = threading.Condition()
-        self._inbox: deque = deque()
+        self._inbox: deque[AddRequest | AbortRequest | AbortAll] = deque()
+        self._num_adds = 0                    # AddRequests in the inbox
         self._callbacks: dict[str, Callback] = {}
         self._stopping = False
-        self.step_count = 0
+        self._shutdown_reason = "cancelled"
         self._ready = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -55,27 +59,38 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's latest snapshot, with requests still in the inbox counted as waiting."""
+        s = self.engine.stats
+        return replace(s, waiting=s.waiting + self._num_adds)
+
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> None:
-        self.engine.check_request(prompt_ids, params)
+        request = self.engine.make_request(request_id, prompt_ids, params)
         with self._cv:
             if self._stopping or not self._thread.is_alive():
                 raise RuntimeError("engine is not running (shutting down or stopped after a fault)")
-            self._inbox.append(("add", request_id, prompt_ids, params, callback))
+            self._inbox.append(AddRequest(request, callback))
+            self._num_adds += 1
             self._cv.notify()
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
         with self._cv:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(AbortRequest(request_id, reason))
             self._cv.notify()
 
-    def num_pending(self) -> int:
+    def abort_all(self, reason: str = "abort") -> None:
+        """Finishes every request in flight or queued (each gets its final output); keeps serving."""
         with self._cv:
-            return sum(1 for item in self._inbox if item[0] == "add")
+            self._inbox.append(AbortAll(reason))
+            self._cv.notify()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stops taking requests, cancels what is left, and joins the engine thread."""
+    def shutdown(self, timeout: float = 30.0, reason: str = "cancelled") -> None:
+        """Stops taking requests, finishes what is left with `reason` (each callback gets its final
+        output), and joins the engine thread."""
         with self._cv:
             self._stopping = True
+            self._shutdown_reason = reason
             self._cv.notify()
         self._thread.join(timeout)
 
@@ -95,51 +110,55 @@ class EngineLoop:
         with self._cv:
             items = list(self._inbox)
             self._inbox.clear()
+            self._num_adds = 0
         for item in items:
-            if item[0] == "add":
-                _, rid, ids, params, cb = item
-                self._callbacks[rid] = cb
+            if isinstance(item, AddRequest):
+                rid = item.request.request_id
+                self._callbacks[rid] = item.callback
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.admit(item.request)
                 except Exception as exc:
                     self._deliver(RequestOutput(rid, finished=True, finish_reason="error", error=str(exc)))
+            elif isinstance(item, AbortAll):
+                for out in self.engine.abort_all(item.reason):
+                    self._deliver(out)
             else:
-                out = self.engine.abort(item[1])
+                out = self.engine.abort(item.request_id, item.reason)
                 if out is not None:
                     self._deliver(out)
 
     def _main(self) -> None:
-        if self._factory is not None:
-            try:
-                self.engine = self._factory()
-            except BaseException as exc:  # reported by build() in the caller's thread
-                self._build_error = exc
-                self._stopping = True
-                self._ready.set()
-                return
-            finally:
-                self._factory = None
+        try:
+            self.engine = self._factory()
+        except BaseException as exc:  # reported by build() in the caller's thread
+            self._build_error = exc
+            self._stopping = True
+            self._ready.set()
+            return
+        finally:
+            self._factory = None
         self._ready.set()
         self._run()
 
     def _run(self) -> None:
+        engine = self.engine
         while True:
             with self._cv:
-                while not self._inbox and not self.engine.has_unfinished() and not self._stopping:
+                while not self._inbox and not engine.has_unfinished() and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
                     break
             self._drain_inbox()
-            if not self.engine.has_unfinished():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # scheduler-level fault: fail everything in flight, keep serving
-                log.exception("engine step raised; failing all in-flight requests")
-                outputs = self.engine.abort_all("error", f"engine fault: {exc}")
-            self.step_count += 1
-            for out in outputs:
-                self._deliver(out)
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # scheduler-level fault: fail everything in flight, keep serving
+                    log.exception("engine step raised; failing all in-flight requests")
+                    outputs = engine.abort_all("error", f"engine fault: {exc}")
+                for out in outputs:
+                    self._deliver(out)
+            engine.publish_stats()
         self._drain_inbox()
-        for out in self.engine.abort_all("cancelled"):
+        for out in engine.abort_all(self._shutdown_reason):
             self._deliver(out)
+        engine.publish_stats()

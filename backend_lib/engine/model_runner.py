@@ -1,11 +1,19 @@
-"""Turns a scheduled step into tensors, runs the model and samples the sequences that reached their end."""
+"""The device side of the engine: builds and owns the model, the KV cache and the sampler; turns a
+scheduled step into tensors, runs the model and samples the sequences that reached their end."""
 from __future__ import annotations
+
+import logging
 
 import torch
 
+from ..checkpoint import WeightStore
+from ..kv_cache import allocate_kv_cache
 from ..kv_cache.metadata import AttentionMetadata
-from ..sampling.sampler import Sample, Sampler
+from ..models import Qwen3ForCausalLM
+from ..sampling.sampler import Sample, SampleError, Sampler
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class InjectedFault(RuntimeError):
@@ -13,9 +21,13 @@ class InjectedFault(RuntimeError):
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache, page_size: int, device: torch.device, fault_every: int | None = None):
-        self.model, self.kv_cache = model, kv_cache
-        self.page_size, self.device = page_size, device
+    def __init__(self, cfg, model_config, scheme, device: torch.device, dtype: torch.dtype, kernels,
+                 max_model_len: int, fault_every: int | None = None):
+        self.device, self.page_size = device, cfg.page_size
+        self.model = Qwen3ForCausalLM.from_checkpoint(WeightStore(cfg.checkpoint), model_config, scheme, dtype,
+                                                      device, kernels, max_model_len)
+        self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels, cfg.kv_cache_memory,
+                                          cfg.page_size, max_model_len, cfg.max_num_seqs, seed=cfg.tq_seed)
         self.sampler = Sampler()
         self.fault_every = fault_every
         self.steps = 0
@@ -53,7 +65,8 @@ class ModelRunner:
                 meta, sample_rows, sample_seqs)
 
     @torch.inference_mode()
-    def execute(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sample]]:
+    def execute(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sample | SampleError]]:
+        """Runs the step; a raise here is a fault of the whole forward. Sampling faults are per row."""
         self.steps += 1
         if self.fault_every and self.steps % self.fault_every == 0:
             raise InjectedFault(f"injected fault at step {self.steps} (fault_injection every:{self.fault_every})")

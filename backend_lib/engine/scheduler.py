@@ -26,9 +26,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def remove(self, seq: Sequence) -> None:
         """Takes a sequence out (finished or aborted) and frees its pages at once."""
         if seq in self.running:

@@ -1,4 +1,4 @@
-"""One request's state in the engine: tokens, KV pages, sampling, detokenization and stop state."""
+"""One request's state in the engine: tokens, KV pages, sampling state (text state: OutputProcessor)."""
 from __future__ import annotations
 
 import enum
@@ -7,8 +7,6 @@ import os
 import torch
 
 from ..sampling.params import SamplingParams
-from ..tokenizer.detokenizer import IncrementalDetokenizer
-from ..tokenizer.stop import StopMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -19,27 +17,23 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                 end_ids: set[int], detokenizer: IncrementalDetokenizer, arrival: int):
+                 end_ids: set[int]):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.tokens = list(prompt_ids)         # prompt + output, what the model computes over
         self.params = params
         self.max_tokens = max_tokens
-        self.arrival = arrival
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed = 0                  # tokens whose K/V are in the cache
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(end_ids))
         self.min_tokens_blocked_ids = sorted(set(end_ids) | set(params.stop_token_ids))
-        self.detokenizer = detokenizer
-        self.stop_matcher = StopMatcher(params.stop)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed % 2**64)
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
-        self.num_preemptions = 0
 
     @property
     def num_tokens(self) -> int:
@@ -58,4 +52,3 @@ class Sequence:
         """After preemption: the pages are gone, prompt + output so far will be prefilled again."""
         self.num_computed = 0
         self.status = SequenceStatus.WAITING
-        self.num_preemptions += 1

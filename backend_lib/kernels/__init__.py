@@ -23,10 +23,8 @@ class Kernels:
     name: str
     rms_norm: Callable
     add_rms_norm: Callable
-    rotary: Callable
     qk_norm_rope: Callable      # (qkv, q_w, k_w, positions, cos_sin, H, KVH, eps) -> (q, k, v)
     silu_mul: Callable
-    quantize_per_token: Callable
     a8w8_prepare: Callable      # (w_q int8 [N, K], w_scale fp32 [N]) -> the weight in this kernel set's form
     a8w8_linear: Callable       # (x, prepared) -> y
     float_prepare: Callable     # w [N, K] -> the weight in this kernel set's form
@@ -42,10 +40,8 @@ REFERENCE = Kernels(
     name="reference",
     rms_norm=reference.rms_norm,
     add_rms_norm=reference.add_rms_norm,
-    rotary=reference.rotary,
     qk_norm_rope=reference.qk_norm_rope,
     silu_mul=reference.silu_mul,
-    quantize_per_token=reference.quantize_per_token,
     a8w8_prepare=lambda w_q, w_scale: (w_q, w_scale),
     a8w8_linear=lambda x, prepared: reference.a8w8_linear(x, *prepared),
     float_prepare=lambda w: w,
@@ -79,11 +75,13 @@ def _cpu_kernels() -> Kernels:
     )
 
 
+KERNEL_BACKENDS = ("auto", "reference", "cpu")
+
+
 def get_kernels(device: torch.device | str, backend: str = "auto", cache_dir=None) -> Kernels:
-    """backend: 'auto' (the device's best), 'reference' (pure PyTorch) or 'cpu' (compiled, required)."""
+    """backend: 'auto' (the device's best), 'reference' (pure PyTorch) or 'cpu' (compiled, required);
+    validated by EngineConfig."""
     device = torch.device(device)
-    if backend not in ("auto", "reference", "cpu"):
-        raise ValueError(f"kernels: unknown backend {backend!r} (auto, reference, cpu)")
     if backend == "reference" or device.type != "cpu":
         return REFERENCE
     from .build import load_cpu_extension

@@ -75,9 +75,6 @@ def load_cpu_extension(cache_dir: str | os.PathLike | None = None) -> bool:
 def _load(cache_dir: Path) -> bool:
     if hasattr(torch.ops, LIB_NAME) and hasattr(getattr(torch.ops, LIB_NAME), "float_linear"):
         return True
-    if os.environ.get("QWEN3_KERNELS") == "reference":
-        log.info("QWEN3_KERNELS=reference: using the pure-PyTorch kernels")
-        return False
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         log.warning("no C++ compiler found: using the pure-PyTorch reference kernels (slower)")
         return False

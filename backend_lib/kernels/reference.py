@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kv_cache.layout import key_blocks_to_rows
+from ..kv_cache.tq_codec import tq_encode, tq_unpack
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as Qwen3 computes it: normalize in fp32, round to x.dtype, then scale by weight."""
@@ -92,16 +95,6 @@ def float_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None
     return y.to(out_dtype or x.dtype)
 
 
-def key_block_width(page_size: int) -> int:
-    return 32 if page_size % 32 == 0 else 16
-
-
-def key_blocks_to_rows(k_cache: torch.Tensor) -> torch.Tensor:
-    """[P, KVH, S/KW, X, KW] blocked keys -> [P, KVH, S, X] rows (a copy)."""
-    p, h, nb, x, kw = k_cache.shape
-    return k_cache.permute(0, 1, 2, 4, 3).reshape(p, h, nb * kw, x)
-
-
 def write_kv(k, v, k_cache, v_cache, slot_mapping):
     """Scatter new K/V rows [T, KVH, D] into the paged caches at slot_mapping (K blocked and transposed)."""
     page_size = v_cache.shape[2]
@@ -161,55 +154,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
 
 
 # ----- TurboQuant 4-bit KV cache (MSE variant), see shared spec turboquant.md ---------------------------
-
-# Lloyd-Max 16-level quantizer of N(0, 1): the positive centroids (symmetric), MSE 0.009501.
-LLOYD_MAX_16 = (0.1283950, 0.3880483, 0.6567591, 0.9423405, 1.2562312, 1.6180464, 2.0690172, 2.7325896)
-
-
-def tq_codebook(head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(centroids [16], boundaries [15]) for N(0, 1/head_dim): ascending, boundaries are midpoints."""
-    pos = torch.tensor(LLOYD_MAX_16, dtype=torch.float64)
-    cents = torch.cat([-pos.flip(0), pos]) / head_dim ** 0.5
-    bounds = (cents[1:] + cents[:-1]) / 2
-    return cents.float().to(device), bounds.float().to(device)
-
-
-def tq_rotation(head_dim: int, seed: int) -> torch.Tensor:
-    """A seeded random orthogonal [d, d] matrix: QR of a standard-normal matrix, signs fixed by diag(R)."""
-    g = torch.Generator(device="cpu").manual_seed(seed % 2**63)
-    a = torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64)
-    q, r = torch.linalg.qr(a)
-    q = q * torch.sign(torch.diagonal(r))[None, :]
-    return q.float().contiguous()
-
-
-def tq_layer_seed(base_seed: int, layer: int) -> int:
-    return (base_seed * 1_000_003 + layer * 7919 + 17) % 2**63
-
-
-def tq_encode(x: torch.Tensor, rotation: torch.Tensor, centroids: torch.Tensor, boundaries: torch.Tensor):
-    """Rows x [..., d] -> (codes uint8 [..., d/2] half/half nibble order, scales fp32 [...])."""
-    xf = x.float()
-    d = xf.shape[-1]
-    n = torch.sqrt(xf.pow(2).sum(-1) + 1e-6)
-    y = (xf / n[..., None]) @ rotation
-    idx = torch.bucketize(y, boundaries)                    # index of the nearest centroid
-    norm_c = centroids[idx].pow(2).sum(-1).sqrt()
-    scale = n / norm_c
-    codes = (idx[..., : d // 2] | (idx[..., d // 2:] << 4)).to(torch.uint8)
-    return codes, scale
-
-
-def tq_unpack(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., d/2] -> centroid indices int64 [..., d]."""
-    c = codes.long()
-    return torch.cat([c & 0xF, c >> 4], dim=-1)
-
-
-def tq_decode(codes, scales, rotation, centroids) -> torch.Tensor:
-    """Back to the original space (only for tests and the dequantize-then-attend comparison)."""
-    return (centroids[tq_unpack(codes)] * scales[..., None]) @ rotation.t()
-
 
 def tq_write(k, v, k_codes, k_scales, v_codes, v_scales, slot_mapping, rotation, centroids, boundaries):
     """Encode K/V rows into the pages: K codes [P, KVH, S/KW, D/2, KW] (blocked), V codes [P, KVH, S, D/2]."""

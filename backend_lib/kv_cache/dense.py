@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import Kernels
-from ..kernels.reference import key_block_width
+from .base import register_kv_cache
+from .layout import key_block_width
 from .metadata import AttentionMetadata
 
 
+@register_kv_cache("bf16")
 class DenseKVCache:
-    kind = "bf16"
-
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, kernels: Kernels):
+                 dtype: torch.dtype, device: torch.device, kernels, seed: int = 0):
         self.num_pages, self.page_size = num_pages, page_size
         self.kernels = kernels
+        self.content_key = f"dense:{dtype}"   # nothing random: seed is not used
         kw = key_block_width(page_size)
         self.k = [torch.zeros((num_pages, num_kv_heads, page_size // kw, head_dim, kw), dtype=dtype, device=device)
                   for _ in range(num_layers)]

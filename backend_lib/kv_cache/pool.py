@@ -8,11 +8,12 @@ import re
 import torch
 
 from ..device import free_memory_bytes
-from .dense import DenseKVCache
+from . import dense, turboquant  # noqa: F401 (each registers its cache kind)
+from .base import KV_CACHES, cache_class
 
 log = logging.getLogger(__name__)
 
-KV_CACHE_KINDS = ("bf16", "tq")
+KV_CACHE_KINDS = tuple(KV_CACHES)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30}
 
@@ -33,13 +34,17 @@ def parse_memory_budget(value) -> float | int:
     return int(num * _UNITS[unit])
 
 
-def cache_class(kind: str):
-    if kind == "bf16":
-        return DenseKVCache
-    if kind == "tq":
-        from .turboquant import TurboQuantKVCache
-        return TurboQuantKVCache
-    raise ValueError(f"kv_cache: {kind!r} is not one of {', '.join(KV_CACHE_KINDS)}")
+def budget_bytes(budget, device: torch.device) -> int:
+    budget = parse_memory_budget(budget)
+    return int(budget * free_memory_bytes(device)) if isinstance(budget, float) else budget
+
+
+def pool_token_capacity(kind: str, model_cfg, dtype: torch.dtype, device: torch.device, budget,
+                        page_size: int) -> int:
+    """Tokens (whole pages) that the budget holds: the default max_model_len is capped by it."""
+    per_token = cache_class(kind).bytes_per_token(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                                                  dtype)
+    return budget_bytes(budget, device) // (per_token * page_size) * page_size
 
 
 def allocate_kv_cache(kind: str, model_cfg, dtype: torch.dtype, device: torch.device, kernels, budget,
@@ -47,14 +52,13 @@ def allocate_kv_cache(kind: str, model_cfg, dtype: torch.dtype, device: torch.de
     cls = cache_class(kind)
     per_token = cls.bytes_per_token(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, dtype)
     per_page = per_token * page_size
-    budget = parse_memory_budget(budget)
-    budget_bytes = int(budget * free_memory_bytes(device)) if isinstance(budget, float) else budget
+    nbytes = budget_bytes(budget, device)
     floor = -(-max_model_len // page_size)
     useful = max_num_seqs * floor
-    pages = min(budget_bytes // per_page, useful)
+    pages = min(nbytes // per_page, useful)
     if pages < floor:
         raise ValueError(
-            f"kv_cache_memory: {budget_bytes / 2**20:.1f} MiB holds {budget_bytes // per_page} pages of "
+            f"kv_cache_memory: {nbytes / 2**20:.1f} MiB holds {nbytes // per_page} pages of "
             f"{page_size} tokens, but one max_model_len={max_model_len} sequence needs {floor}; "
             "raise kv_cache_memory or lower max_model_len")
     while True:

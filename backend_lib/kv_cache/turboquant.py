@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import Kernels
-from ..kernels.reference import key_block_width, tq_codebook, tq_layer_seed, tq_rotation
+from .base import register_kv_cache
+from .layout import key_block_width
 from .metadata import AttentionMetadata
+from .tq_codec import tq_codebook, tq_layer_seed, tq_rotation
 
 
+@register_kv_cache("tq")
 class TurboQuantKVCache:
-    kind = "tq"
-
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, kernels: Kernels, seed: int = 0):
+                 dtype: torch.dtype, device: torch.device, kernels, seed: int = 0):
         if head_dim % 2:
             raise ValueError(f"kv_cache tq: head_dim must be even, got {head_dim}")
         self.num_pages, self.page_size, self.kernels = num_pages, page_size, kernels
         self.seed = seed
+        self.content_key = f"tq:{seed}"       # the rotations follow the seed
         self.centroids, self.boundaries = tq_codebook(head_dim, device)
         self.rotations = [tq_rotation(head_dim, tq_layer_seed(seed, i)).to(device) for i in range(num_layers)]
         # K codes blocked and transposed within a page like the dense K (byte c of consecutive keys

@@ -1,4 +1,4 @@
 from .params import RequestError, SamplingLimits, SamplingParams
-from .sampler import Sampler
+from .sampler import Sample, SampleError, Sampler
 
-__all__ = ["RequestError", "SamplingLimits", "SamplingParams", "Sampler"]
+__all__ = ["RequestError", "Sample", "SampleError", "SamplingLimits", "SamplingParams", "Sampler"]

@@ -9,6 +9,20 @@ class RequestError(ValueError):
     """A request that cannot be served as asked; the message names the offending field."""
 
 
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by a tiny
+# temperature only overflows, and the limit of the distribution is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+# vLLM SamplingParams keys we accept only with their neutral value (what a vLLM-backend client,
+# Triton's OpenAI frontend included, sends by default); any other value is an error naming the key.
+NEUTRAL_KEYS = {
+    "n": (1,), "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
+    "early_stopping": (False,), "logit_bias": ({},), "prompt_logprobs": (), "bad_words": ([],),
+    "allowed_token_ids": (), "logits_processors": ([],), "include_stop_str_in_output": (False,),
+    "detokenize": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+}
+
+
 @dataclass(frozen=True)
 class SamplingLimits:
     """Server-side caps that protect the engine from oversized requests."""
@@ -21,6 +35,58 @@ class SamplingLimits:
     max_logprobs: int = 20
 
 
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric sampling field (documented in the README; the OpenAI front checks
+    the same table before it builds tensors)."""
+    kind: type                 # int or float
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+
+
+INT32_MAX = 2**31 - 1          # int32 wire tensors: larger values cannot be sent
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(int, 1, INT32_MAX),          # and at most the server's max_tokens limit
+    "min_tokens": Range(int, 0, INT32_MAX),
+    "temperature": Range(float, 0.0, 1e4),           # below GREEDY_TEMPERATURE: greedy
+    "top_p": Range(float, 0.0, 1.0, lo_open=True),
+    "top_k": Range(int, 0, INT32_MAX),               # 0: off (the OpenAI front maps vLLM's -1 to 0)
+    "min_p": Range(float, 0.0, 1.0),
+    "seed": Range(int, 0, 2**64 - 1),
+    "logprobs": Range(int, 0, INT32_MAX),            # and at most the server's max_logprobs limit
+    "presence_penalty": Range(float, -2.0, 2.0),
+    "frequency_penalty": Range(float, -2.0, 2.0),
+    "repetition_penalty": Range(float, 0.0, 1e4, lo_open=True),
+}
+
+
+def check_number(name: str, value):
+    """`value` as RANGES[name] wants it (None stays None), or a RequestError naming the field."""
+    if value is None:
+        return None
+    r = RANGES[name]
+    if r.kind is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and not value.is_integer()):
+            raise RequestError(f"{name} must be an integer, got {value!r}")
+        value = int(value)
+    else:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RequestError(f"{name} must be a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise RequestError(f"{name} must be a finite number, got {value}")
+    if (r.lo is not None and (value <= r.lo if r.lo_open else value < r.lo)) or (r.hi is not None and value > r.hi):
+        raise RequestError(f"{name} must be {r.describe()}, got {value}")
+    return value
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = None
@@ -28,6 +94,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -44,57 +111,30 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict, defaults: dict | None = None) -> "SamplingParams":
-        """Builds params from a dict of vLLM names; unknown keys are an error naming them."""
-        unknown = sorted(set(data) - cls.names())
-        if unknown:
-            raise RequestError(f"sampling_parameters: unknown key(s) {', '.join(map(repr, unknown))}")
+        """Builds params from a dict of vLLM names; unknown keys, and known vLLM keys with a value other
+        than their neutral one, are an error naming them."""
+        data = check_keys(data)
         merged = {**(defaults or {}), **{k: v for k, v in data.items() if v is not None}}
         params = cls(**{k: v for k, v in merged.items() if k in cls.names()})
         return params
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, limits: SamplingLimits, vocab_size: int) -> "SamplingParams":
-        """Checks types and ranges, normalizes types; returns self."""
-
-        def as_int(name, value, allow_none=False):
-            if value is None and allow_none:
-                return None
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                    isinstance(value, float) and not value.is_integer()):
-                raise RequestError(f"{name} must be an integer, got {value!r}")
-            return int(value)
-
-        def as_float(name, value):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise RequestError(f"{name} must be a number, got {value!r}")
-            value = float(value)
-            if math.isnan(value) or math.isinf(value):
-                raise RequestError(f"{name} must be a finite number, got {value}")
-            return value
-
-        self.max_tokens = as_int("max_tokens", self.max_tokens, allow_none=True)
-        if self.max_tokens is not None and not 1 <= self.max_tokens <= limits.max_tokens:
+        """Checks types and ranges (RANGES, then the server's limits), normalizes types; returns self."""
+        for name in RANGES:
+            value = getattr(self, name)
+            if name == "logprobs" and isinstance(value, bool):
+                value = 0 if value else None
+            setattr(self, name, check_number(name, value))
+        if self.max_tokens is not None and self.max_tokens > limits.max_tokens:
             raise RequestError(f"max_tokens must be between 1 and {limits.max_tokens}, got {self.max_tokens}")
-        self.min_tokens = as_int("min_tokens", self.min_tokens)
-        if self.min_tokens < 0:
-            raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        self.temperature = as_float("temperature", self.temperature)
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        self.top_p = as_float("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        self.top_k = as_int("top_k", self.top_k)
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        self.seed = as_int("seed", self.seed, allow_none=True)
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise RequestError(f"seed must be in [0, 2^64), got {self.seed}")
+        if self.logprobs is not None and self.logprobs > limits.max_logprobs:
+            raise RequestError(f"logprobs must be between 0 and {limits.max_logprobs}, got {self.logprobs}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
@@ -107,7 +147,9 @@ class SamplingParams:
                 raise RequestError(f"stop: a stop string is longer than {limits.max_stop_string_len} characters")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise RequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-        self.stop_token_ids = [as_int("stop_token_ids", t) for t in self.stop_token_ids]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
         if len(self.stop_token_ids) > limits.max_stop_token_ids:
             raise RequestError(f"stop_token_ids: at most {limits.max_stop_token_ids} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
@@ -117,18 +159,19 @@ class SamplingParams:
             raise RequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise RequestError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
-        if isinstance(self.logprobs, bool):
-            self.logprobs = 0 if self.logprobs else None
-        self.logprobs = as_int("logprobs", self.logprobs, allow_none=True)
-        if self.logprobs is not None and not 0 <= self.logprobs <= limits.max_logprobs:
-            raise RequestError(f"logprobs must be between 0 and {limits.max_logprobs}, got {self.logprobs}")
-        self.presence_penalty = as_float("presence_penalty", self.presence_penalty)
-        self.frequency_penalty = as_float("frequency_penalty", self.frequency_penalty)
-        if not -2 <= self.presence_penalty <= 2:
-            raise RequestError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise RequestError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        self.repetition_penalty = as_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         return self
+
+
+def check_keys(data: dict, where: str = "sampling_parameters") -> dict:
+    """The keys of `data` that are SamplingParams fields; neutral vLLM keys dropped, others rejected."""
+    out = {}
+    for key, value in data.items():
+        if key in SamplingParams.names():
+            out[key] = value
+        elif key in NEUTRAL_KEYS:
+            if value is not None and value not in NEUTRAL_KEYS[key]:
+                allowed = " or ".join(repr(v) for v in NEUTRAL_KEYS[key]) or "null"
+                raise RequestError(f"{where}: {key!r} = {value!r} is not supported (only {allowed})")
+        else:
+            raise RequestError(f"{where}: unknown key {key!r}")
+    return out

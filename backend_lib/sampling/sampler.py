@@ -1,8 +1,12 @@
 """Turns a step's logits into next tokens, one row per sequence, with per-request parameters.
 
-Each row is processed on its own values only (penalties, temperature, top-k/top-p, one uniform
-draw from the request's own torch.Generator), so a seeded request samples the same tokens
-whatever else shares its batch.
+Each row is processed on its own values only (penalties, temperature, top-k/min-p/top-p, one uniform
+draw from the request's own torch.Generator), so a seeded request samples the same tokens whatever
+else shares its batch. A row is also isolated in failure: whatever goes wrong for one request (a
+non-finite logit, an exception in its processing) becomes a SampleError for that row alone, and
+the other rows of the step keep their tokens. Extreme parameters cannot break the draw: values that
+overflow are clamped before the softmax, and a row whose every candidate is filtered out keeps its
+most likely token.
 """
 from __future__ import annotations
 
@@ -16,6 +20,12 @@ class Sample:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class SampleError:
+    """Sampling failed for this row's request alone."""
+    message: str
 
 
 def apply_penalties(row: torch.Tensor, prompt_ids: list[int], output_ids: list[int], params) -> None:
@@ -32,17 +42,29 @@ def apply_penalties(row: torch.Tensor, prompt_ids: list[int], output_ids: list[i
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 
+def _finite(row: torch.Tensor) -> torch.Tensor:
+    """Overflowed values (penalties, tiny temperatures) clamped to the largest finite ones; NaN dropped."""
+    big = torch.finfo(row.dtype).max
+    return torch.nan_to_num(row, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+
+
 def sample_row(row: torch.Tensor, params, generator: torch.Generator) -> int:
-    """One token from processed logits `row` with temperature, top-k and top-p; inverse-CDF draw."""
-    row = row / params.temperature
+    """One token from processed logits `row` with temperature, top-k, min-p and top-p; inverse-CDF draw.
+    The most likely token always stays a candidate, so no filter can leave the row empty."""
+    row = _finite(row / params.temperature)
     idx = None
     if params.top_k and params.top_k < row.shape[0]:
         row, idx = torch.topk(row, params.top_k)
-    if params.top_p < 1.0:
+    if params.min_p > 0 or params.top_p < 1.0:
         if idx is None:
             row, idx = torch.sort(row, descending=True)
         probs = torch.softmax(row, dim=-1)
-        keep = (probs.cumsum(0) - probs) < params.top_p   # always keeps the first token
+        keep = torch.ones_like(probs, dtype=torch.bool)
+        if params.min_p > 0:
+            keep &= probs >= params.min_p * probs[0]
+        if params.top_p < 1.0:
+            keep &= (probs.cumsum(0) - probs) < params.top_p
+        keep[0] = True
         row = row[keep]
         idx = idx[keep]
     probs = torch.softmax(row, dim=-1)
@@ -54,41 +76,52 @@ def sample_row(row: torch.Tensor, params, generator: torch.Generator) -> int:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, seqs: list) -> list[Sample]:
+    def __call__(self, logits: torch.Tensor, seqs: list) -> list[Sample | SampleError]:
         """logits: fp32 [B, V], row b belongs to seqs[b]."""
         logits = logits.float()
-        out: list[Sample | None] = [None] * len(seqs)
-        lp_rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
-        logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        out: list[Sample | SampleError | None] = [None] * len(seqs)
+        bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+        for b in bad:   # the model's own output (not a parameter) is broken for this row
+            bad_value = logits[b][~torch.isfinite(logits[b])][0].item()
+            out[b] = SampleError(f"the model produced a non-finite logit ({bad_value}) for this request")
         processed = logits
         touched = False
         for b, s in enumerate(seqs):
             p = s.params
             needs_penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
             suppress = len(s.output_ids) < p.min_tokens
-            if needs_penalty or suppress:
+            if out[b] is None and (needs_penalty or suppress):
                 if not touched:
                     processed, touched = logits.clone(), True
-                if needs_penalty:
-                    apply_penalties(processed[b], s.prompt_ids, s.output_ids, p)
-                if suppress:
-                    processed[b, list(s.min_tokens_blocked_ids)] = float("-inf")
-        greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
+                try:
+                    if needs_penalty:
+                        apply_penalties(processed[b], s.prompt_ids, s.output_ids, p)
+                    if suppress:
+                        processed[b, list(s.min_tokens_blocked_ids)] = float("-inf")
+                except Exception as exc:
+                    out[b] = SampleError(f"sampling: applying penalties failed ({exc})")
+        greedy = [b for b, s in enumerate(seqs) if s.params.greedy and out[b] is None]
         if greedy:
             picks = processed[greedy].argmax(dim=-1).tolist()
             for b, t in zip(greedy, picks):
                 out[b] = Sample(int(t))
         for b, s in enumerate(seqs):
             if out[b] is None:
-                out[b] = Sample(sample_row(processed[b], s.params, s.generator))
-        for r, b in enumerate(lp_rows):
-            row = logprobs[r]
-            sample = out[b]
-            sample.logprob = float(row[sample.token_id])
-            n = seqs[b].params.logprobs
-            if n:
-                vals, ids = torch.topk(row, n)
-                sample.top_logprobs = list(zip(ids.tolist(), vals.tolist()))
-            else:
-                sample.top_logprobs = []
+                try:
+                    out[b] = Sample(sample_row(processed[b], s.params, s.generator))
+                except Exception as exc:
+                    out[b] = SampleError(f"sampling failed ({exc})")
+        lp_rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None and isinstance(out[b], Sample)]
+        if lp_rows:
+            logprobs = torch.log_softmax(logits[lp_rows], dim=-1)
+            for r, b in enumerate(lp_rows):
+                row = logprobs[r]
+                sample = out[b]
+                sample.logprob = float(row[sample.token_id])
+                n = seqs[b].params.logprobs
+                if n:
+                    vals, ids = torch.topk(row, n)
+                    sample.top_logprobs = list(zip(ids.tolist(), vals.tolist()))
+                else:
+                    sample.top_logprobs = []
         return out

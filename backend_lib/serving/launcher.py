@@ -1,7 +1,8 @@
 """`tritonserver` for this venv: a real one on PATH if there is one, else the server from nvidia-pytriton.
 
 With the venv active, `tritonserver --model-repository model_repository [flags]` behaves as in an
-NGC container: every flag passes through. Without a system tritonserver it runs the 2.51 server
+NGC container: every flag passes through; this command stays the server's parent to drain it on a
+stop signal (see supervise). Without a system tritonserver it runs the 2.51 server
 shipped in the nvidia-pytriton wheel, with a backend directory assembled from that wheel (the
 Python backend plus the stub built for this Python version) and this venv first on PATH, so the
 stub imports the venv's packages (torch, backend_lib).
@@ -11,7 +12,12 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 STUB = "triton_python_backend_stub"
@@ -86,13 +92,81 @@ def bundled_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
     return [str(binary)] + args, env
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+STOP_FLAG_ENV = "QWEN3_STOP_FLAG"
+
+
+def command(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The server command and environment: a real tritonserver on PATH, else the bundled one."""
     system = find_system_tritonserver()
     if system is not None:
-        os.execv(str(system), [str(system)] + args)
-    cmd, env = bundled_command(args)
-    os.execve(cmd[0], cmd, env)
+        return [str(system)] + args, dict(os.environ)
+    return bundled_command(args)
+
+
+def supervise(cmd: list[str], env: dict[str, str], kill_after: float | None = None) -> int:
+    """Runs the server as a child and drains it on SIGTERM/SIGINT/SIGHUP before passing the signal on.
+
+    Triton waits for every open decoupled stream before it unloads a model, and nothing in the Python
+    backend tells a model that the server is stopping (asking Triton for the model's readiness while it
+    unloads can wait on the unload itself). So this process, which receives the signal (`docker stop`,
+    Kubernetes and a terminal send it to the main process), first creates the stop flag whose path the
+    models read from $QWEN3_STOP_FLAG: each model finishes its open streams at once (finish_reason
+    'abort'), then Triton unloads and exits promptly. A server still running `kill_after` seconds after
+    the signal (Triton 2.51 cannot finish exiting while a client holds a stream open) is killed; its model
+    processes follow (they end themselves when their server is gone).
+    """
+    flag = Path(tempfile.gettempdir()) / f"qwen3-triton-stop-{os.getpid()}-{time.time_ns()}"
+    env = {**env, STOP_FLAG_ENV: str(flag)}
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, _frame):
+        first = not flag.exists()
+        try:
+            flag.touch()
+        except OSError:
+            pass
+        proc.send_signal(signum)
+        if first and kill_after is not None:
+            threading.Thread(target=kill_if_alive, daemon=True).start()
+
+    def kill_if_alive():
+        try:
+            proc.wait(timeout=kill_after)
+        except subprocess.TimeoutExpired:
+            print(f"[tritonserver] still running {kill_after:.0f} s after the stop signal: killing it", file=sys.stderr,
+                  flush=True)
+            proc.kill()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    try:
+        rc = proc.wait()
+    finally:
+        flag.unlink(missing_ok=True)
+    return rc if rc >= 0 else 128 - rc
+
+
+DEFAULT_EXIT_TIMEOUT_S = 5
+KILL_GRACE_S = 3
+
+
+def exit_timeout(args: list[str]) -> tuple[list[str], int]:
+    """(args with --exit-timeout-secs, its value). Triton waits that long (30 s by default) for every model
+    to unload. Ours end their streams as soon as the stop flag appears; what can still hold a model is a
+    client that keeps its gRPC stream open after the final response, which Triton 2.51 waits for (and then
+    cannot exit cleanly at all). 5 s unless the operator says otherwise."""
+    for i, a in enumerate(args):
+        if a.startswith("--exit-timeout-secs="):
+            return args, int(a.split("=", 1)[1])
+        if a == "--exit-timeout-secs" and i + 1 < len(args):
+            return args, int(args[i + 1])
+    return args + [f"--exit-timeout-secs={DEFAULT_EXIT_TIMEOUT_S}"], DEFAULT_EXIT_TIMEOUT_S
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, timeout = exit_timeout(list(sys.argv[1:] if argv is None else argv))
+    cmd, env = command(args)
+    sys.exit(supervise(cmd, env, kill_after=timeout + KILL_GRACE_S))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,56 @@
-"""vLLM-style custom metrics on Triton's metrics port (pb_utils.MetricFamily)."""
+"""vLLM-style custom metrics on Triton's metrics port (pb_utils.MetricFamily).
+
+Every metric update is a call into the server process. None is made on a request's path: the
+threads that serve requests only record into a MetricsBuffer (a lock and a list append), and one
+metrics thread flushes it to Triton every FLUSH_PERIOD_S together with the engine's gauges. So a
+metrics call that stalls (as they can while the server shuts down) delays only other metrics, never a
+response, and per-token serving pays no call into the server.
+"""
 from __future__ import annotations
+
+import threading
+from collections import Counter
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0]
 ITL_BUCKETS = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0]
+FLUSH_PERIOD_S = 0.1
+
+
+class MetricsBuffer:
+    """What happened since the last flush; written by any thread."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self):
+        self.prompt_tokens = self.generation_tokens = 0
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.finished: Counter = Counter()
+
+    def record(self, prompt_tokens: int = 0, generation_tokens: int = 0, ttft: float | None = None,
+               itl: float | None = None, finished: str | None = None) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += generation_tokens
+            if ttft is not None:
+                self.ttft.append(ttft)
+            if itl is not None:
+                self.itl.append(itl)
+            if finished is not None:
+                self.finished[finished] += 1
+
+    def take(self) -> "MetricsBuffer":
+        """The updates so far (a detached copy); the buffer starts empty again."""
+        out = MetricsBuffer()
+        with self._lock:
+            out.prompt_tokens, out.generation_tokens = self.prompt_tokens, self.generation_tokens
+            out.ttft, out.itl, out.finished = self.ttft, self.itl, self.finished
+            self._reset()
+        return out
 
 
 class EngineMetrics:
@@ -36,16 +82,75 @@ class EngineMetrics:
         self.itl = fam("vllm:inter_token_latency_seconds", "Time between consecutive tokens of a request",
                        M.HISTOGRAM).Metric(labels=labels, buckets=ITL_BUCKETS)
 
-    def finished(self, reason: str) -> None:
+    def _finished(self, reason: str, n: int) -> None:
         metric = self._by_reason.get(reason)
         if metric is None:
             metric = self._success.Metric(labels={**self._labels, "finished_reason": reason})
             self._by_reason[reason] = metric
-        metric.increment(1)
+        metric.increment(n)
 
-    def update_gauges(self, running: int, waiting: int, pages_used: int, pages_total: int) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.pages_used.set(pages_used)
-        self.pages_total.set(pages_total)
-        self.usage.set(pages_used / pages_total if pages_total else 0.0)
+    def flush(self, updates: MetricsBuffer, stats) -> None:
+        """Applies buffered updates and the engine's latest stats (calls into the server process)."""
+        if updates.prompt_tokens:
+            self.prompt_tokens.increment(updates.prompt_tokens)
+        if updates.generation_tokens:
+            self.generation_tokens.increment(updates.generation_tokens)
+        for v in updates.ttft:
+            self.ttft.observe(v)
+        for v in updates.itl:
+            self.itl.observe(v)
+        for reason, n in updates.finished.items():
+            self._finished(reason, n)
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.pages_used.set(stats.pages_used)
+        self.pages_total.set(stats.pages_total)
+        self.usage.set(stats.pages_used / stats.pages_total if stats.pages_total else 0.0)
+
+
+class MetricsPublisher:
+    """The metrics thread: flushes a MetricsBuffer and the engine stats every FLUSH_PERIOD_S, or at once
+    when asked. flush(wait) lets a request's final response wait (briefly, bounded) until its counts are
+    published, so a client that reads the metrics after its last response sees them."""
+
+    def __init__(self, metrics: EngineMetrics, buffer: MetricsBuffer, stats, name: str):
+        self.metrics, self.buffer, self.stats = metrics, buffer, stats
+        self._cv = threading.Condition()
+        self._requested = self._done = 0
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def flush(self, wait: float = 0.0) -> None:
+        with self._cv:
+            self._requested += 1
+            target = self._requested
+            self._cv.notify_all()
+            if wait:
+                self._cv.wait_for(lambda: self._done >= target or self._stopped, timeout=wait)
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """No flush after this; waits (bounded: a call into a server that is going away can block for good)
+        for a flush under way, so that no call is cut off half-way when the process exits."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        import logging
+
+        log = logging.getLogger("backend_lib.triton")
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._requested > self._done or self._stopped, timeout=FLUSH_PERIOD_S)
+                if self._stopped:
+                    return
+                target = self._requested
+            try:
+                self.metrics.flush(self.buffer.take(), self.stats())
+            except Exception:
+                log.exception("metrics flush failed")
+            with self._cv:
+                self._done = max(self._done, target)
+                self._cv.notify_all()

@@ -12,17 +12,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..sampling.params import RequestError, SamplingParams
-
-# scalar input tensors -> sampling field (TensorRT-LLM dialect names)
-SCALAR_SAMPLING_INPUTS = {
-    "max_tokens": int, "min_tokens": int, "top_k": int, "temperature": float, "top_p": float,
-    "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float, "seed": int,
-}
-FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-               "return_num_output_tokens", "return_logprobs")
+from ..sampling.params import RequestError, check_keys
+from .schema import FLAG_INPUTS, LLM_INPUT, SAMPLING_INPUTS
 _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
-                "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
+                "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
                 "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
                 "skip_special_tokens": bool}
 
@@ -40,13 +33,13 @@ class ParsedRequest:
     return_logprobs: bool = False
 
 
-def _scalar(name: str, arr: np.ndarray):
+def scalar(name: str, arr: np.ndarray):
     if arr.size != 1:
         raise RequestError(f"{name}: expected exactly one value, got shape {list(arr.shape)}")
     return arr.reshape(-1)[0]
 
 
-def _text(name: str, value, max_bytes: int | None = None) -> str:
+def text_value(name: str, value, max_bytes: int | None = None) -> str:
     if max_bytes is not None and isinstance(value, (bytes, np.bytes_, str)) and len(value) > max_bytes:
         raise RequestError(f"{name}: {len(value)} bytes exceed the limit of {max_bytes} (max_prompt_bytes)")
     if isinstance(value, (bytes, np.bytes_)):
@@ -107,7 +100,7 @@ def parse_request(get: Callable[[str], np.ndarray | None], parameters_json: str 
                     raise RequestError(f"beam_width: only 1 is supported, got {v}")
     sp = get("sampling_parameters")
     if sp is not None:
-        raw = _text("sampling_parameters", _scalar("sampling_parameters", sp))
+        raw = text_value("sampling_parameters", scalar("sampling_parameters", sp))
         if raw.strip():
             try:
                 data = json.loads(raw)
@@ -115,24 +108,22 @@ def parse_request(get: Callable[[str], np.ndarray | None], parameters_json: str 
                 raise RequestError(f"sampling_parameters: malformed JSON ({exc.msg} at position {exc.pos})") from None
             if not isinstance(data, dict):
                 raise RequestError("sampling_parameters: must be a JSON object")
-            unknown = sorted(set(data) - SamplingParams.names())
-            if unknown:
-                raise RequestError(f"sampling_parameters: unknown key(s) {', '.join(map(repr, unknown))}")
+            data = check_keys(data)
             merged.update({k: _coerce(k, v, "sampling_parameters") for k, v in data.items()})
-    for name, typ in SCALAR_SAMPLING_INPUTS.items():
+    for name in SAMPLING_INPUTS:
         arr = get(name)
         if arr is not None:
-            merged[name] = typ(_scalar(name, arr).item())
+            merged[name] = LLM_INPUT[name].py_type(scalar(name, arr).item())
     bw = get("beam_width")
-    if bw is not None and int(_scalar("beam_width", bw)) != 1:
-        raise RequestError(f"beam_width: only 1 is supported, got {int(_scalar('beam_width', bw))}")
+    if bw is not None and int(scalar("beam_width", bw)) != 1:
+        raise RequestError(f"beam_width: only 1 is supported, got {int(scalar('beam_width', bw))}")
     sw = get("stop_words")
     if sw is not None:
-        merged["stop"] = [_text("stop_words", v) for v in sw.reshape(-1)]
+        merged["stop"] = [text_value("stop_words", v) for v in sw.reshape(-1)]
     for name in FLAG_INPUTS:
         arr = get(name)
         if arr is not None:
-            setattr(req, name, bool(_scalar(name, arr)))
+            setattr(req, name, bool(scalar(name, arr)))
     if req.return_logprobs and merged.get("logprobs") is None:
         merged["logprobs"] = 0
     req.sampling = merged
@@ -140,7 +131,7 @@ def parse_request(get: Callable[[str], np.ndarray | None], parameters_json: str 
     text = get("text_input")
     ids = get("input_ids")
     if text is not None:
-        req.text = _text("text_input", _scalar("text_input", text), max_prompt_bytes)
+        req.text = text_value("text_input", scalar("text_input", text), max_prompt_bytes)
     if ids is not None:
         if ids.dtype.kind not in "iu":
             raise RequestError(f"input_ids: expected integer ids, got dtype {ids.dtype}")

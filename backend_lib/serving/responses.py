@@ -5,23 +5,29 @@ import json
 
 import numpy as np
 
+from .schema import LLM_OUTPUT
+
+
+def _array(name: str, values: list) -> np.ndarray:
+    f = LLM_OUTPUT[name]
+    if f.type == "TYPE_STRING":
+        values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+    return np.array(values, dtype=f.np_dtype)
+
 
 def output_arrays(text: str, ids: list[int], *, finish_reason: str | None, num_input_tokens: int,
                   num_output_tokens: int, cumulative_logprob: float | None, logprobs: list[dict] | None,
                   flags) -> dict[str, np.ndarray]:
     """flags: the ParsedRequest; only the outputs it asked for are included (text and ids always)."""
-    out = {
-        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-        "output_ids": np.array(ids, dtype=np.int32),
-    }
+    out = {"text_output": _array("text_output", [text]), "output_ids": _array("output_ids", ids)}
     if flags.return_finish_reason:
-        out["finish_reason"] = np.array([finish_reason.encode()] if finish_reason else [], dtype=np.object_)
+        out["finish_reason"] = _array("finish_reason", [finish_reason] if finish_reason else [])
     if flags.return_num_input_tokens:
-        out["num_input_tokens"] = np.array([num_input_tokens], dtype=np.uint32)
+        out["num_input_tokens"] = _array("num_input_tokens", [num_input_tokens])
     if flags.return_num_output_tokens:
-        out["num_output_tokens"] = np.array([num_output_tokens], dtype=np.uint32)
+        out["num_output_tokens"] = _array("num_output_tokens", [num_output_tokens])
     if flags.return_logprobs or logprobs is not None:
-        out["cumulative_logprob"] = np.array([] if cumulative_logprob is None else [cumulative_logprob],
-                                             dtype=np.float32)
-        out["logprobs"] = np.array([json.dumps(lp).encode() for lp in logprobs or []], dtype=np.object_)
+        out["cumulative_logprob"] = _array("cumulative_logprob", [] if cumulative_logprob is None
+                                           else [cumulative_logprob])
+        out["logprobs"] = _array("logprobs", [json.dumps(lp) for lp in logprobs or []])
     return out

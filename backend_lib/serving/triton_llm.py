@@ -3,7 +3,7 @@
 execute() validates each request and hands it to the EngineLoop; a response thread of its own
 turns engine outputs into Triton responses (never the decode loop), checks cancellation on every
 output and in a periodic sweep, and aborts cancelled requests in the engine, which frees their
-pages at once.
+pages at once. The model reads engine state only through the loop's stats snapshot.
 """
 from __future__ import annotations
 
@@ -16,18 +16,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..config import EngineConfig
 from ..sampling.params import RequestError
-from .request import ParsedRequest, parse_request
+from .request import ParsedRequest, parse_request, scalar, text_value
 from .responses import output_arrays
+from .schema import LLM_INPUTS, LLM_OUTPUTS, declare
+from .launcher import STOP_FLAG_ENV
+from .triton_config import engine_config_from_args
 
 log = logging.getLogger("backend_lib.triton")
-INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "max_tokens", "min_tokens", "top_k",
-               "beam_width", "temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-               "seed", "stop_words", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-               "return_num_output_tokens", "return_logprobs")
 CANCEL_SWEEP_S = 0.1
-GAUGE_PERIOD_S = 0.1
+FINALIZE_TIMEOUT_S = 5.0
+STOP_FLAG_POLL_S = 0.1
+FINAL_METRICS_WAIT_S = 0.05
 
 
 class Overloaded(Exception):
@@ -37,6 +37,7 @@ class Overloaded(Exception):
 @dataclass
 class RequestState:
     rid: str
+    triton_id: str
     sender: object
     req: ParsedRequest
     prompt_ids: list[int]
@@ -58,33 +59,20 @@ def _setup_logging() -> None:
         root.propagate = False
 
 
-def engine_config_from_args(args: dict) -> EngineConfig:
-    """EngineConfig from config.pbtxt parameters, env overrides and the instance kind/device."""
-    model_config = json.loads(args["model_config"])
-    name = args["model_name"]
-    params = {k: v.get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
-    for key in sorted(EngineConfig.field_names()):   # $<MODEL>_<PARAMETER> overrides config.pbtxt
-        env = os.environ.get(f"{name.upper()}_{key.upper()}")
-        if env:
-            params[key] = env
-            log.info("%s: %s from $%s_%s = %s", name, key, name.upper(), key.upper(), env)
-    kind = args.get("model_instance_kind", "CPU")
-    device_id = args.get("model_instance_device_id", "0")
-    if kind == "GPU":
-        base = params.get("device", "cuda")
-        params["device"] = f"{'npu' if base.startswith('npu') else 'cuda'}:{device_id}"
-    elif kind == "CPU" and params.get("device", "cpu") in ("", "auto"):
-        params["device"] = "cpu"
-    params.setdefault("device", "cpu")
-    return EngineConfig.from_params(params, base_dir=args["model_repository"])
-
-
 class TritonLLMModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        """The I/O of every LLM model comes from the schema table; config.pbtxt holds what an operator edits."""
+        declare(auto_complete_model_config, LLM_INPUTS, LLM_OUTPUTS)
+        auto_complete_model_config.set_max_batch_size(0)
+        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        return auto_complete_model_config
+
     def initialize(self, args):
         import triton_python_backend_utils as pb_utils
 
         from ..engine import EngineLoop, LLMEngine
-        from .metrics import EngineMetrics
+        from .metrics import EngineMetrics, MetricsBuffer, MetricsPublisher
 
         _setup_logging()
         self.pb = pb_utils
@@ -93,17 +81,25 @@ class TritonLLMModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(f"{self.name}: model_transaction_policy.decoupled must be true")
         cfg = engine_config_from_args(args)
+        self.cfg = cfg
         log.info("%s: loading %s on %s (%s KV cache)", self.name, cfg.checkpoint, cfg.device, cfg.kv_cache)
         # Built in the engine thread: one OpenMP team in the process (see EngineLoop.build).
         self.loop = EngineLoop.build(lambda: LLMEngine(cfg), name=f"{self.name}-engine")
-        self.engine = self.loop.engine
-        self.metrics = EngineMetrics(pb_utils, {"model": self.name, "version": args.get("model_version", "1")})
+        self.engine = self.loop.engine   # immutable parts only (tokenizer, make_params): see LLMEngine
+        self.metrics = MetricsBuffer()
+        self.publisher = MetricsPublisher(
+            EngineMetrics(pb_utils, {"model": self.name, "version": args.get("model_version", "1")}), self.metrics,
+            lambda: self.loop.stats, name=f"{self.name}-metrics")
         self._queue: queue.Queue = queue.Queue()
         self._active: dict[str, RequestState] = {}
+        self._by_triton_id: dict[str, RequestState] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._exiting = False     # the server is shutting down (or this model unloading)
         self._thread = threading.Thread(target=self._respond_loop, name=f"{self.name}-responses", daemon=True)
         self._thread.start()
+        self._watch = threading.Thread(target=self._watch_server, name=f"{self.name}-shutdown-watch", daemon=True)
+        self._watch.start()
         log.info("%s: ready", self.name)
 
     # ----- Triton entry points ---------------------------------------------------------------------
@@ -116,16 +112,45 @@ class TritonLLMModel:
                 self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
             except Overloaded as exc:
                 self._send_error(sender, str(exc), self.pb.TritonError.UNAVAILABLE)
-            except Exception as exc:
+            except Exception:
                 log.exception("%s: request failed before reaching the engine", self.name)
-                self._send_error(sender, f"internal error: {exc}", self.pb.TritonError.INTERNAL)
+                self._send_error(sender, "internal error (logged by the server)", self.pb.TritonError.INTERNAL)
         return None
 
     def finalize(self):
+        """Unload or server shutdown: every open stream gets its final response (finish_reason 'abort') at
+        once, then the threads end. Nothing here waits on the server process beyond those sends: the
+        metrics thread stops first (a metrics call to a server that is going away can block forever)."""
         log.info("%s: finalizing", self.name)
-        self.loop.shutdown()
+        self._exiting = True
+        self.publisher.stop()
+        self.loop.shutdown(timeout=FINALIZE_TIMEOUT_S, reason="abort")
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=FINALIZE_TIMEOUT_S)
+        self._watch.join(timeout=1.0)
+        log.info("%s: finalized", self.name)
+
+    def _watch_server(self) -> None:
+        """Server shutdown: Triton waits for every open decoupled stream before it finalizes a model, and
+        tells the model nothing; the `tritonserver` command of this project (launcher.supervise) creates
+        the stop flag named by $QWEN3_STOP_FLAG when it gets SIGTERM/SIGINT, before it passes the signal
+        on. Then the metrics thread stops and the engine finishes every request in flight with
+        finish_reason 'abort'. Watching a file calls nothing in the server (a readiness query to a server
+        that is unloading can wait on the unload itself). It also ends this process if the server process
+        is gone, so that no stub outlives its server."""
+        flag = os.environ.get(STOP_FLAG_ENV)
+        parent = os.getppid()
+        while not self._stop.wait(STOP_FLAG_POLL_S):
+            if os.getppid() != parent:
+                # The server is gone (killed, or it gave up waiting at its exit timeout): a stub left
+                # behind would hold the model's memory for good.
+                log.warning("%s: the server process exited; this model process exits too", self.name)
+                os._exit(0)
+            if flag and not self._exiting and os.path.exists(flag):
+                log.info("%s: the server is stopping; aborting the requests in flight", self.name)
+                self._exiting = True
+                self.publisher.stop()
+                self.loop.shutdown(timeout=FINALIZE_TIMEOUT_S, reason="abort")
 
     # ----- requests --------------------------------------------------------------------------------
     def _submit(self, request, sender) -> None:
@@ -135,34 +160,55 @@ class TritonLLMModel:
             t = pb.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
-        req = parse_request(get, request.parameters(), self.engine.cfg.limits.max_prompt_bytes)
-        waiting = len(self.engine.scheduler.waiting) + self.loop.num_pending()
-        if waiting >= self.engine.cfg.max_waiting_requests:
+        abort = get("abort_request_id")
+        if abort is not None:
+            self._abort_by_triton_id(abort, sender)
+            return
+        req = parse_request(get, request.parameters(), self.cfg.limits.max_prompt_bytes)
+        waiting = self.loop.stats.waiting
+        if waiting >= self.cfg.max_waiting_requests:
             raise Overloaded(f"server overloaded (UNAVAILABLE): {waiting} requests are waiting "
-                             f"(max_waiting_requests {self.engine.cfg.max_waiting_requests}); retry later")
-        tok = self.engine.tokenizer
-        prompt_ids = req.input_ids if req.input_ids is not None else tok.encode(req.text)
+                             f"(max_waiting_requests {self.cfg.max_waiting_requests}); retry later")
+        prompt_ids = req.input_ids if req.input_ids is not None else self.engine.tokenizer.encode(req.text)
         params = self.engine.make_params(req.sampling)
         rid = f"{self.name}-{uuid.uuid4().hex}"
-        state = RequestState(rid, sender, req, prompt_ids, time.perf_counter())
+        state = RequestState(rid, request.request_id(), sender, req, prompt_ids, time.perf_counter())
         with self._lock:
             self._active[rid] = state
+            if state.triton_id:
+                self._by_triton_id.setdefault(state.triton_id, state)
         try:
             self.loop.submit(rid, prompt_ids, params, lambda out, s=state: self._queue.put((s, out)))
         except Exception:
-            with self._lock:
-                self._active.pop(rid, None)
+            self._close(state)
             raise
-        self.metrics.prompt_tokens.increment(len(prompt_ids))
+        self.metrics.record(prompt_tokens=len(prompt_ids))
+
+    def _abort_by_triton_id(self, arr, sender) -> None:
+        """A request that carries abort_request_id alone: abort that request; answer this one at once."""
+        target = text_value("abort_request_id", scalar("abort_request_id", arr))
+        with self._lock:
+            state = self._by_triton_id.get(target)
+        if state is not None:
+            log.info("%s: request %s aborted by the client", self.name, state.rid)
+            self.loop.abort(state.rid, reason="abort")
+        sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _send_error(self, sender, message: str, code) -> None:
         err = self.pb.TritonError(message, code)
         sender.send(self.pb.InferenceResponse(output_tensors=[], error=err),
                     flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
+    def _count_final(self, reason: str) -> None:
+        """Counts a finished request and lets the metrics thread publish it before the final response goes
+        out (bounded: a stalled metrics call delays a final response by FINAL_METRICS_WAIT_S at most)."""
+        self.metrics.record(finished=reason)
+        if not self._exiting:
+            self.publisher.flush(wait=FINAL_METRICS_WAIT_S)
+
     # ----- response thread -------------------------------------------------------------------------
     def _respond_loop(self) -> None:
-        last_sweep = last_gauges = 0.0
+        last_sweep = 0.0
         while not (self._stop.is_set() and self._queue.empty()):
             try:
                 state, out = self._queue.get(timeout=CANCEL_SWEEP_S)
@@ -176,31 +222,24 @@ class TritonLLMModel:
             except queue.Empty:
                 pass
             now = time.perf_counter()
-            try:
-                if now - last_sweep >= CANCEL_SWEEP_S:
-                    last_sweep = now
+            if now - last_sweep >= CANCEL_SWEEP_S and not self._exiting:
+                last_sweep = now
+                try:
                     self._sweep_cancelled()
-                if now - last_gauges >= GAUGE_PERIOD_S:
-                    last_gauges = now
-                    self._update_gauges()
-            except Exception:
-                log.exception("%s: cancellation sweep or metrics update failed", self.name)
-
-    def _update_gauges(self) -> None:
-        sched = self.engine.scheduler
-        bm = self.engine.block_manager
-        self.metrics.update_gauges(len(sched.running), len(sched.waiting) + self.loop.num_pending(), bm.num_used,
-                                   bm.num_pages)
+                except Exception:
+                    log.exception("%s: cancellation sweep failed", self.name)
 
     def _close(self, state: RequestState) -> None:
         state.done = True
         with self._lock:
             self._active.pop(state.rid, None)
+            if self._by_triton_id.get(state.triton_id) is state:
+                del self._by_triton_id[state.triton_id]
 
     def _cancel(self, state: RequestState) -> None:
         self.loop.abort(state.rid)
         self._close(state)
-        self.metrics.finished("cancelled")
+        self._count_final("cancelled")
         try:
             state.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:
@@ -223,24 +262,26 @@ class TritonLLMModel:
         if state.done:
             return
         pb = self.pb
-        if state.sender.is_cancelled():
+        if not self._exiting and state.sender.is_cancelled():
             self._cancel(state)
             return
         now = time.perf_counter()
         if out.new_token_ids:
-            if state.last_token_at is None:
-                self.metrics.ttft.observe(now - state.arrival)
-            else:
-                self.metrics.itl.observe(now - state.last_token_at)
+            first = state.last_token_at is None
+            self.metrics.record(generation_tokens=len(out.new_token_ids),
+                                ttft=now - state.arrival if first else None,
+                                itl=None if first else now - state.last_token_at)
             state.last_token_at = now
-            self.metrics.generation_tokens.increment(len(out.new_token_ids))
         if out.error is not None or out.finish_reason == "error":
             self._close(state)
-            self.metrics.finished("error")
+            self._count_final("error")
             self._send_error(state.sender, out.error or "request failed", pb.TritonError.INTERNAL)
             return
         req = state.req
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+        if out.finished:
+            self._close(state)
+            self._count_final(out.finish_reason or "stop")
         if req.stream:
             arrays = output_arrays(out.new_text, out.new_token_ids, finish_reason=out.finish_reason,
                                    num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
@@ -263,9 +304,6 @@ class TritonLLMModel:
                                        logprobs=state.logprobs if req.return_logprobs or state.logprobs else None,
                                        flags=req)
                 self._send(state, arrays, final)
-        if out.finished:
-            self._close(state)
-            self.metrics.finished(out.finish_reason or "stop")
 
     def _send(self, state: RequestState, arrays: dict, flags: int) -> None:
         pb = self.pb

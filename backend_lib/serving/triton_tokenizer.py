@@ -3,29 +3,54 @@
 Used as the first step of the ensembles (tokenizer -> LLM). It reads the tokenizer and chat
 template of its own `checkpoint` parameter (the same folder as the LLM's), renders chat messages
 as transformers does, and rejects empty prompts, prompts longer than `max_model_len` and malformed
-messages with errors that name the field.
+messages with errors that name the field. Each request of a dynamic batch is answered on its own:
+one bad request gets its error, the others their ids; errors never carry tracebacks or paths
+(those go to the server log).
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 
 import numpy as np
 
-from ..config import _resolve
+from ..checkpoint import ModelConfig
 from ..sampling.params import RequestError
 from ..tokenizer import Tokenizer, TokenizerError
+from .request import scalar, text_value
+from .schema import TOKENIZER_INPUTS, TOKENIZER_OUTPUTS, declare
+from .triton_config import engine_config_from_args
 
 log = logging.getLogger("backend_lib.triton")
 ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_KEYS = {"role": str, "content": (str, type(None)), "reasoning_content": str, "tool_calls": list,
+                "name": str, "tool_call_id": str}
+
+
+def _check_tool_calls(calls: list, where: str) -> None:
+    for j, call in enumerate(calls):
+        w = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise RequestError(f"{w}: must be an object")
+        unknown = sorted(set(call) - {"id", "type", "function"})
+        if unknown:
+            raise RequestError(f"{w}: unknown key(s) {', '.join(map(repr, unknown))}")
+        if call.get("type", "function") != "function" or not isinstance(call.get("id", ""), str):
+            raise RequestError(f"{w}: type must be 'function' and id a string")
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", ""), (str, dict)) or set(fn) - {"name", "arguments"}:
+            raise RequestError(f"{w}.function: must be {{name: string, arguments: string or object}}")
 
 
 def parse_messages(raw: str) -> list[dict]:
+    """The chat messages, every field checked for its type (a wrong type would otherwise raise deep
+    inside the chat template); unknown fields are an error naming them."""
     try:
         messages = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise RequestError(f"messages: malformed JSON ({exc.msg} at position {exc.pos})") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        where = f" ({exc.msg} at position {exc.pos})" if isinstance(exc, json.JSONDecodeError) else " (nested too deep)"
+        raise RequestError(f"messages: malformed JSON{where}") from None
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: must be a non-empty JSON list of {role, content} objects")
     for i, m in enumerate(messages):
@@ -33,9 +58,15 @@ def parse_messages(raw: str) -> list[dict]:
             raise RequestError(f"messages[{i}]: must be an object with role and content")
         if m.get("role") not in ROLES:
             raise RequestError(f"messages[{i}].role: {m.get('role')!r} is not one of {', '.join(ROLES)}")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content: must be a string, got {type(content).__name__}")
+        for key, value in m.items():
+            if key not in MESSAGE_KEYS:
+                raise RequestError(f"messages[{i}].{key}: unknown field (known: {', '.join(MESSAGE_KEYS)})")
+            if not isinstance(value, MESSAGE_KEYS[key]):
+                raise RequestError(f"messages[{i}].{key}: wrong type {type(value).__name__}")
+        if not isinstance(m.get("content"), str) and not m.get("tool_calls"):
+            raise RequestError(f"messages[{i}].content: must be a string")
+        if "tool_calls" in m:
+            _check_tool_calls(m["tool_calls"], f"messages[{i}]")
     return messages
 
 
@@ -64,21 +95,11 @@ def tokenize_request(tok: Tokenizer, max_model_len: int, text: str | None, messa
     return ids
 
 
-def _text(arr, name, max_bytes: int):
-    if arr is None:
-        return None
-    v = arr.reshape(-1)
-    if v.size != 1:
-        raise RequestError(f"{name}: expected one value, got {v.size}")
-    if len(v[0]) > max_bytes:
-        raise RequestError(f"{name}: {len(v[0])} bytes exceed the limit of {max_bytes} (max_prompt_bytes)")
-    try:
-        return bytes(v[0]).decode("utf-8") if isinstance(v[0], (bytes, np.bytes_)) else str(v[0])
-    except UnicodeDecodeError:
-        raise RequestError(f"{name}: not valid UTF-8") from None
-
-
 class TritonTokenizerModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        return declare(auto_complete_model_config, TOKENIZER_INPUTS, TOKENIZER_OUTPUTS)
+
     def initialize(self, args):
         import triton_python_backend_utils as pb_utils
 
@@ -86,44 +107,48 @@ class TritonTokenizerModel:
 
         _setup_logging()
         self.pb = pb_utils
-        cfg = json.loads(args["model_config"])
-        self.batched = cfg.get("max_batch_size", 0) > 0
-        params = {k: v.get("string_value", "") for k, v in (cfg.get("parameters") or {}).items()}
-        name = args["model_name"].upper()
-        folder = os.environ.get(f"{name}_TOKENIZER") or os.environ.get(f"{name}_CHECKPOINT") \
-            or params.get("tokenizer") or params.get("checkpoint")
-        if not folder:
-            raise pb_utils.TritonModelException("parameter 'checkpoint' (or 'tokenizer') is required")
-        folder = _resolve(folder, args["model_repository"])
+        self.batched = json.loads(args["model_config"]).get("max_batch_size", 0) > 0
         try:
-            self.max_model_len = int(os.environ.get(f"{name}_MAX_MODEL_LEN") or params.get("max_model_len") or 4096)
-        except ValueError:
-            raise pb_utils.TritonModelException(f"max_model_len: {params.get('max_model_len')!r} is not an integer")
-        try:
-            self.max_prompt_bytes = int(params.get("max_prompt_bytes") or 1 << 20)
-        except ValueError:
-            raise pb_utils.TritonModelException(f"max_prompt_bytes: {params.get('max_prompt_bytes')!r} is not an integer")
+            cfg = engine_config_from_args(args)
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(str(exc)) from None
+        folder = cfg.tokenizer or cfg.checkpoint
+        self.max_model_len = cfg.max_model_len or ModelConfig.from_dir(cfg.checkpoint).max_position_embeddings
+        self.max_prompt_bytes = cfg.limits.max_prompt_bytes
         self.tok = Tokenizer(folder)
         log.info("%s: tokenizer from %s (max_model_len %d)", args["model_name"], folder, self.max_model_len)
+
+    def _ids(self, request) -> np.ndarray:
+        pb = self.pb
+
+        def get(name):
+            t = pb.get_input_tensor_by_name(request, name)
+            return None if t is None else t.as_numpy()
+
+        def text(name):
+            arr = get(name)
+            return None if arr is None else text_value(name, scalar(name, arr), self.max_prompt_bytes)
+
+        def flag(name, default):
+            arr = get(name)
+            return default if arr is None else bool(scalar(name, arr))
+
+        ids = tokenize_request(self.tok, self.max_model_len, text("text_input"), text("messages"),
+                               flag("enable_thinking", True), flag("add_generation_prompt", True))
+        arr = np.array(ids, dtype=np.int32)
+        return arr[None, :] if self.batched else arr
 
     def execute(self, requests):
         pb = self.pb
         responses = []
-        for request in requests:
-            def get(name):
-                t = pb.get_input_tensor_by_name(request, name)
-                return None if t is None else t.as_numpy()
+        for request in requests:   # each request on its own: one bad request never fails the batch
             try:
-                flag = lambda n, default: default if get(n) is None else bool(get(n).reshape(-1)[0])  # noqa: E731
-                ids = tokenize_request(self.tok, self.max_model_len,
-                                       _text(get("text_input"), "text_input", self.max_prompt_bytes),
-                                       _text(get("messages"), "messages", self.max_prompt_bytes),
-                                       flag("enable_thinking", True), flag("add_generation_prompt", True))
-                arr = np.array(ids, dtype=np.int32)
-                if self.batched:
-                    arr = arr[None, :]
-                responses.append(pb.InferenceResponse(output_tensors=[pb.Tensor("input_ids", arr)]))
+                responses.append(pb.InferenceResponse(output_tensors=[pb.Tensor("input_ids", self._ids(request))]))
             except RequestError as exc:
                 responses.append(pb.InferenceResponse(
                     output_tensors=[], error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)))
+            except Exception:
+                log.exception("tokenizer request failed")
+                responses.append(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(
+                    "internal error in the tokenizer model (logged by the server)", pb.TritonError.INTERNAL)))
         return responses

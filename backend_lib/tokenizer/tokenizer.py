@@ -110,3 +110,7 @@ class Tokenizer:
                                enable_thinking=enable_thinking, **kwargs)
         except ChatTemplateError as exc:
             raise TokenizerError(f"messages: {exc}") from None
+        except Exception as exc:  # a template that fails on these messages: their fault, not the server's
+            log.info("chat template failed: %r", exc)
+            raise TokenizerError(f"messages: the chat template could not render them ({type(exc).__name__}: "
+                                 f"{str(exc)[:200]})") from None

@@ -14,7 +14,8 @@ import math
 import sys
 
 from ..cli_common import add_engine_args, engine_config, parse_ids
-from ..kv_cache.pool import cache_class, parse_memory_budget
+from ..kv_cache import cache_class
+from ..kv_cache.pool import parse_memory_budget
 
 DEFAULT_TEXT = (
     "The Palace Museum in Beijing, the Forbidden City, was the imperial palace of the Ming and Qing dynasties. "

@@ -1,4 +1,4 @@
-"""python -m client.openai_server [--triton-url localhost:8001] [--host 127.0.0.1] [--port 9000] [--api-key KEY]"""
+"""python -m openai_frontend [--triton-url localhost:8001] [--host 127.0.0.1] [--port 9000] [--api-key KEY]"""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ from .app import create_app
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m client.openai_server",
+    ap = argparse.ArgumentParser(prog="python -m openai_frontend",
                                  description="OpenAI-compatible HTTP front over the Triton LLM models.")
     ap.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC endpoint")
     ap.add_argument("--host", default="127.0.0.1")

@@ -1,7 +1,8 @@
 """One generation from request to response: the Triton stream as SSE chunks or one whole object.
 
 Errors before the first token (bad fields, unknown model) become HTTP statuses; a client that goes
-away, mid-stream or while waiting for a whole response, cancels the Triton stream.
+away, mid-stream or while waiting for a whole response, aborts the Triton request (TritonStream.close:
+an abort request on the same gRPC stream, never a cancellation).
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from .formats import SSE_DONE, ResponseFormat, sse, usage
 from .gateway import Delta, TritonGateway
 from .params import Generation
 
-FINISH_REASONS = {"stop": "stop", "length": "length"}
+# Triton finish reasons -> OpenAI's; a request ended early (cancelled, or aborted: by a client's abort
+# request or a model unload) reads as vLLM's "abort"
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "abort": "abort"}
 
 
 class ClientGone(Exception):
@@ -68,8 +71,10 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def until_disconnect(request: Request, awaitable):
-    """Awaits `awaitable`, cancelling it (and raising ClientGone) if the client disconnects first."""
+async def until_disconnect(request: Request, awaitable, cancel: bool = True):
+    """Awaits `awaitable`, raising ClientGone if the client disconnects first. `awaitable` is then cancelled
+    (its generator's cleanup aborts the Triton request), or with cancel=False left to finish on its own
+    (a unary gRPC call: cancelling it would be a gRPC cancellation) and its outcome dropped."""
     work = asyncio.ensure_future(awaitable)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
@@ -79,7 +84,20 @@ async def until_disconnect(request: Request, awaitable):
         raise ClientGone()
     finally:
         watch.cancel()
-        work.cancel()   # no-op when done; else its generator's cleanup cancels the Triton stream
+        if cancel:
+            work.cancel()   # no-op when done
+        elif not work.done():
+            _background.add(work)
+            work.add_done_callback(_drop)
+
+
+_background: set[asyncio.Future] = set()
+
+
+def _drop(work: asyncio.Future) -> None:
+    _background.discard(work)
+    if not work.cancelled():
+        work.exception()   # retrieved: an error nobody waits for is not logged as "never retrieved"
 
 
 async def _chain(first: Delta, rest):
@@ -121,7 +139,8 @@ async def respond(request: Request, gateway: TritonGateway, gen: Generation, fmt
     await gateway.require_llm(gen.model)
     input_ids = None
     if gen.messages is not None:
-        input_ids = await until_disconnect(request, gateway.chat_input_ids(gen.messages, gen.enable_thinking))
+        input_ids = await until_disconnect(request, gateway.chat_input_ids(gen.messages, gen.enable_thinking),
+                                           cancel=False)
     stream = gateway.stream(gen.model, gen.triton_inputs(input_ids))
     try:
         deltas = stream.__aiter__()

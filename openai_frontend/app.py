@@ -4,6 +4,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -15,14 +16,52 @@ from .gateway import TritonGateway
 from .generation import ClientGone, respond
 from .params import parse_chat, parse_completion
 
-log = logging.getLogger("client.openai_server")
+log = logging.getLogger("openai_frontend")
+
+
+MAX_JSON_DEPTH = 64
+_JSON_SPECIAL = re.compile(rb'[\[\]{}"\\]')
+_QUOTE, _BACKSLASH, _OPEN = ord('"'), ord("\\"), (ord("["), ord("{"))
+
+
+def nested_deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether a JSON text nests arrays and objects deeper than `limit` (brackets inside strings do not
+    count), found in one pass over its brackets and quotes, before any parsing: a deep body never reaches
+    the recursive parser."""
+    depth, in_string, escaped = 0, False, -1
+    for m in _JSON_SPECIAL.finditer(raw):
+        pos = m.start()
+        c = raw[pos]
+        if in_string:
+            if pos == escaped:
+                continue
+            if c == _BACKSLASH:
+                escaped = pos + 1
+            elif c == _QUOTE:
+                in_string = False
+        elif c == _QUOTE:
+            in_string = True
+        elif c in _OPEN:
+            depth += 1
+            if depth > limit:
+                return True
+        elif c != _BACKSLASH:
+            depth -= 1
+    return False
+
+
+def parse_json_body(raw: bytes):
+    """The request body as JSON, or a 400: not JSON, or nested deeper than MAX_JSON_DEPTH."""
+    if nested_deeper_than(raw, MAX_JSON_DEPTH):
+        raise bad_request(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:   # JSONDecodeError, bad UTF-8, an integer of > 4300 digits
+        raise bad_request(f"the request body is not valid JSON ({exc})") from None
 
 
 async def _json_body(request: Request):
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise bad_request("the request body is not valid JSON") from None
+    return parse_json_body(await request.body())
 
 
 def _api_key_check(api_key: str | None):

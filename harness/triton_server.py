@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -54,18 +54,19 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"localhost:{self.http_port}"
+        return f"127.0.0.1:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"localhost:{self.grpc_port}"
+        return f"127.0.0.1:{self.grpc_port}"
 
     def start(self, timeout: float = 300.0, wait_ready: bool = True, ready_models: list[str] | None = None,
               ) -> "TritonServer":
         """ready_models: wait for these models instead of the whole server (some may be meant to fail)."""
         cmd = [str(Path(sys.prefix) / "bin" / "tritonserver"), "--model-repository", str(self.repository),
                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
-               f"--metrics-port={self.metrics_port}", "--log-verbose=0", *self.extra_args]
+               f"--metrics-port={self.metrics_port}", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
+               "--metrics-address=127.0.0.1", "--log-verbose=0", *self.extra_args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
@@ -99,7 +100,7 @@ class TritonServer:
             return False
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             return r.read().decode()
 
     def wait_until(self, condition, seconds: float, poll: float = 0.05) -> bool:
@@ -133,8 +134,9 @@ class TritonServer:
             raise KeyError(f"metric {name} for model {model} not found")
         return total
 
-    def stub_pid(self, model: str) -> int | None:
-        """PID of the Python-backend stub process serving `model` (for memory checks)."""
+    def _stubs(self) -> dict[int, list[bytes]]:
+        """{pid: argv} of every Python-backend stub process of this server's repository (alive or orphaned)."""
+        stubs = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -142,10 +144,18 @@ class TritonServer:
                 cmd = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if cmd and cmd[0].endswith(b"triton_python_backend_stub") and any(
-                    a.startswith(f"{model}_0_".encode()) for a in cmd) and str(self.repository).encode() in cmd[1]:
-                return int(entry.name)
-        return None
+            if cmd and cmd[0].endswith(b"triton_python_backend_stub") and len(cmd) > 1 and \
+                    str(self.repository).encode() in cmd[1]:
+                stubs[int(entry.name)] = cmd
+        return stubs
+
+    def stub_pids(self) -> list[int]:
+        return sorted(self._stubs())
+
+    def stub_pid(self, model: str) -> int | None:
+        """PID of the Python-backend stub process serving `model` (for memory checks)."""
+        return next((pid for pid, cmd in self._stubs().items()
+                     if any(a.startswith(f"{model}_0_".encode()) for a in cmd)), None)
 
     def rss_mib(self, model: str) -> float:
         pid = self.stub_pid(model)
@@ -161,6 +171,14 @@ class TritonServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+    def terminate(self, sig=signal.SIGTERM, timeout: float = 60.0) -> float:
+        """Sends `sig` to the server process alone (as `docker stop` or Kubernetes do) and returns the
+        seconds until it exited; the stubs it leaves behind are what stub_pids() still lists."""
+        t0 = time.time()
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=timeout)
+        return time.time() - t0
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -1,11 +1,11 @@
 """An OpenAI-compatible HTTP front (/v1/completions, /v1/chat/completions, /v1/models) over the Triton
 LLM models: chat through the tokenizer model's template, tokens streamed from the LLM model directly
-so that a client that goes away cancels its request.
+so that a client that goes away aborts its request.
 
-    python -m client.openai_server [--triton-url localhost:8001] [--port 9000] [--api-key KEY]
+    python -m openai_frontend [--triton-url localhost:8001] [--port 9000] [--api-key KEY]
 
 Modules: params (request validation), gateway (Triton over asyncio gRPC), formats (OpenAI objects),
-generation (stream or whole response, cancellation), app (routes, auth, errors).
+generation (stream or whole response, aborts), app (routes, auth, errors).
 """
 from .app import create_app
 

@@ -1,18 +1,21 @@
 """OpenAI request bodies -> a validated Generation: the prompt and the Triton LLM request fields.
 
-Errors are 400s whose message and `param` name the field. Range checks that depend on the model
-(max_tokens and logprobs limits, prompt length) are left to the LLM model, whose errors name the field too.
+Errors are 400s whose message and `param` name the field. Every number is range-checked here by the
+engine's own table (backend_lib.sampling.params.RANGES), before any tensor is built, so that none can wrap
+when cast to its wire type (int32, uint64, fp32). Checks that depend on the model (its max_tokens limit,
+prompt length, the vocabulary) are left to the LLM model, whose errors name the field too.
 """
 from __future__ import annotations
 
-import math
+import json
 from dataclasses import dataclass, field
 
-from ..triton_inputs import build_inputs
+from backend_lib.sampling.params import INT32_MAX, NEUTRAL_KEYS, RequestError, SamplingLimits, check_number
+from client.triton_inputs import build_inputs
 from .errors import bad_request
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = SamplingLimits().max_logprobs   # the LLM models' limit, checked here to name top_logprobs
 
 
 @dataclass
@@ -43,31 +46,21 @@ class Generation:
 
 
 # ----- typed field readers (None when absent or null) -----------------------------------------------
-def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False):
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad_request(f"{name} must be a finite number, got {v!r}", name)
-    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
-        if hi is None:
-            bound = f"{'>' if lo_open else '>='} {lo}"
-        else:
-            bound = f"in {'(' if lo_open else '['}{lo}, {hi}]"
-        raise bad_request(f"{name} must be {bound}, got {v}", name)
-    return float(v)
+def _checked(body: dict, name: str, table: str | None = None):
+    """body[name] range-checked by the engine's table (RANGES[table or name]), so that no value can wrap
+    when cast to its wire type; a 400 naming `name` otherwise."""
+    table = table or name
+    try:
+        return check_number(table, body.get(name))
+    except RequestError as exc:
+        message = str(exc)
+        if table != name and message.startswith(table):
+            message = name + message[len(table):]
+        raise bad_request(message, name) from None
 
 
-def _integer(body: dict, name: str, lo: int | None = None, hi: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad_request(f"{name} must be an integer, got {v!r}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise bad_request(f"{name} must be {bound}, got {v}", name)
-    return v
+def _token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT32_MAX
 
 
 def _boolean(body: dict, name: str):
@@ -77,11 +70,31 @@ def _boolean(body: dict, name: str):
     return v
 
 
-def _reject(body: dict, name: str, allowed=(None,), why: str = "is not supported") -> None:
-    """400 for a field we do not implement, unless it has a harmless value (`allowed`, or empty)."""
+def _same(value, allowed) -> bool:
+    """value == allowed, where a boolean equals only a boolean (True is not n=1, 0 is not echo=false)."""
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return type(value) is type(allowed) and value == allowed
+    return value == allowed
+
+
+def _neutral_only(body: dict, name: str, allowed: tuple, why: str | None = None) -> None:
+    """400 for a field we do not implement, unless it is absent, null or one of its neutral `allowed` values."""
     v = body.get(name)
-    if v not in allowed and v not in ({}, []):
-        raise bad_request(f"{name} {why}", name)
+    if v is None or any(_same(v, a) for a in allowed):
+        return
+    if why is None:
+        why = (f"only {' or '.join(json.dumps(a) for a in allowed)} is supported" if allowed
+               else "is not supported (only null)")
+    raise bad_request(f"{name}: {why}, got {json.dumps(v)}", name)
+
+
+# vLLM/OpenAI fields accepted only with their neutral value, beyond the engine's NEUTRAL_KEYS
+FRONT_NEUTRAL = {"logit_bias": ({}, []), "echo": (False,), "suffix": ("",)}
+
+
+def _neutral_fields(body: dict) -> None:
+    for name, allowed in {**NEUTRAL_KEYS, **FRONT_NEUTRAL}.items():
+        _neutral_only(body, name, allowed)
 
 
 # ----- shared fields ------------------------------------------------------------------------------
@@ -115,34 +128,35 @@ def _streaming(gen: Generation, body: dict) -> None:
     gen.include_usage = bool(_boolean(opts, "include_usage"))
 
 
+# scalar Triton tensors named as in OpenAI/vLLM, each checked by RANGES[name]
+_SCALARS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "top_k", "min_tokens")
+
+
 def _sampling(gen: Generation, body: dict, max_tokens_names: tuple[str, ...]) -> None:
-    n = _integer(body, "n")
-    if n is not None and n != 1:
-        raise bad_request(f"n: only n=1 is supported, got {n}", "n")
+    _neutral_fields(body)
     for name in max_tokens_names:
-        value = _integer(body, name, lo=1)
+        value = _checked(body, name, "max_tokens")
         if value is not None:
             gen.fields["max_tokens"] = value
-    scalars = {"temperature": _number(body, "temperature", lo=0),
-               "top_p": _number(body, "top_p", lo=0, hi=1, lo_open=True),
-               "seed": _integer(body, "seed", lo=0, hi=2**64 - 1),
-               "presence_penalty": _number(body, "presence_penalty", lo=-2, hi=2),
-               "frequency_penalty": _number(body, "frequency_penalty", lo=-2, hi=2),
-               # vLLM extensions that clients send in extra_body
-               "top_k": _integer(body, "top_k", lo=-1), "min_tokens": _integer(body, "min_tokens", lo=0),
-               "repetition_penalty": _number(body, "repetition_penalty", lo=0, lo_open=True)}
-    if scalars["top_k"] == -1:   # vLLM's "disabled"
-        scalars["top_k"] = 0
-    gen.fields.update({k: v for k, v in scalars.items() if v is not None})
+    if body.get("top_k") == -1 and not isinstance(body.get("top_k"), bool):
+        body = {**body, "top_k": 0}   # vLLM's "disabled"
+    for name in _SCALARS:
+        value = _checked(body, name)
+        if value is not None:
+            gen.fields[name] = value
+    min_p = _checked(body, "min_p")   # no tensor of its own: sampling_parameters
+    if min_p is not None:
+        gen.sampling["min_p"] = min_p
     if _boolean(body, "ignore_eos") is not None:
         gen.sampling["ignore_eos"] = body["ignore_eos"]
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in stop_ids):
-            raise bad_request("stop_token_ids must be a list of integers", "stop_token_ids")
+        if not isinstance(stop_ids, list) or not all(_token_id(i) for i in stop_ids):
+            raise bad_request(f"stop_token_ids must be a list of token ids, integers in [0, {INT32_MAX}]",
+                              "stop_token_ids")
         gen.sampling["stop_token_ids"] = stop_ids
     gen.stop = _stop(body)
-    _reject(body, "logit_bias")
 
 
 def _common(body, max_tokens_names: tuple[str, ...]) -> Generation:
@@ -169,6 +183,9 @@ def _prompt(gen: Generation, body: dict) -> None:
             raise bad_request("prompt must not be empty", "prompt")
         gen.prompt = prompt
     elif _is_ids(prompt):
+        bad = next((i for i in prompt if not _token_id(i)), None)
+        if bad is not None:   # int32 on the wire; the vocabulary check is the model's
+            raise bad_request(f"prompt: token id {bad} is outside [0, {INT32_MAX}]", "prompt")
         gen.prompt_ids = prompt
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         raise bad_request(f"prompt: only one prompt per request is supported, got {len(prompt)}", "prompt")
@@ -176,13 +193,17 @@ def _prompt(gen: Generation, body: dict) -> None:
         raise bad_request("prompt is required: a string, or a list of token ids", "prompt")
 
 
+def _logprobs(body: dict, name: str) -> int | None:
+    value = _checked(body, name, "logprobs")
+    if value is not None and value > MAX_LOGPROBS:
+        raise bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
+    return value
+
+
 def parse_completion(body) -> Generation:
     gen = _common(body, ("max_tokens",))
     _prompt(gen, body)
-    gen.logprobs = _integer(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
-    _reject(body, "echo", (None, False), "is not supported")
-    _reject(body, "best_of", (None, 1), "must be 1")
-    _reject(body, "suffix", (None, ""), "is not supported")
+    gen.logprobs = _logprobs(body, "logprobs")
     return gen
 
 
@@ -219,7 +240,7 @@ def _messages(body: dict) -> list[dict]:
 
 
 def _chat_logprobs(body: dict) -> int | None:
-    top = _integer(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    top = _logprobs(body, "top_logprobs")
     if not _boolean(body, "logprobs"):
         if top is not None:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -241,5 +262,5 @@ def parse_chat(body) -> Generation:
     gen.messages = _messages(body)
     gen.logprobs = _chat_logprobs(body)
     gen.enable_thinking = _enable_thinking(body)
-    _reject(body, "tools", why="(tool calling) is not supported")
+    _neutral_only(body, "tools", ([],), "(tool calling) is not supported")
     return gen

@@ -1,0 +1,50 @@
+"""Typed messages into the engine thread, and the stats snapshot it publishes after each step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..sampling.params import SamplingParams
+from .outputs import RequestOutput
+
+Callback = Callable[[RequestOutput], None]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request (LLMEngine.make_request): the engine admits it without checking again."""
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int            # resolved: explicit or default, capped by max_model_len
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: Request
+    callback: Callback
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+    reason: str = "cancelled"
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    """Finish every request in flight (the server is going away); the engine keeps running."""
+    reason: str = "abort"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine thread publishes each step; the only engine state other threads read."""
+    running: int = 0
+    waiting: int = 0
+    pages_used: int = 0
+    pages_total: int = 0
+    num_preemptions: int = 0
+    num_failed_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0

@@ -1,0 +1,76 @@
+"""Sampled tokens -> per-request deltas: appending, detokenizing, stop strings and ids, finishing.
+
+The processor owns each request's text state (incremental detokenizer and stop matcher); the
+scheduler owns its pages. A request whose processing fails (say its detokenizer raises) is finished
+with an error of its own; the others of the step are not touched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..sampling.sampler import Sample
+from ..tokenizer import Tokenizer
+from ..tokenizer.detokenizer import IncrementalDetokenizer
+from ..tokenizer.stop import StopMatcher
+from .outputs import RequestOutput
+from .sequence import Sequence
+
+
+@dataclass
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    stop: StopMatcher
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._text: dict[str, _TextState] = {}
+
+    def add(self, seq: Sequence) -> None:
+        self._text[seq.request_id] = _TextState(self.tokenizer.detokenizer(seq.params.skip_special_tokens),
+                                                StopMatcher(seq.params.stop))
+
+    def process(self, seq: Sequence, sample: Sample) -> RequestOutput:
+        """Appends the sampled token; the output says whether (and why) the request finished."""
+        tok = sample.token_id
+        seq.append(tok)
+        logprobs = None
+        if sample.logprob is not None:
+            seq.cumulative_logprob += sample.logprob
+            logprobs = [{"id": tok, "logprob": sample.logprob,
+                         "top": [{"id": i, "logprob": lp} for i, lp in sample.top_logprobs or []]}]
+        state = self._text[seq.request_id]
+        n_out = len(seq.output_ids)
+        reason = None
+        text = ""
+        if tok in seq.stop_ids:  # the sampler blocks these before min_tokens
+            reason = "stop"
+        else:
+            delta = state.detokenizer.add(tok)
+            text = state.stop.feed(delta) if n_out > seq.params.min_tokens else delta
+            if state.stop.stopped_on is not None:
+                reason = "stop"
+        if reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if state.stop.stopped_on is None:
+                text += state.stop.feed(state.detokenizer.flush()) + state.stop.flush()
+            seq.finish_reason = reason
+            self._text.pop(seq.request_id, None)
+        return self.output(seq, [tok], text, logprobs)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        """Ends a request from outside the token stream (cancel, abort, a failure): a final empty delta."""
+        seq.finish_reason = reason
+        self._text.pop(seq.request_id, None)
+        return self.output(seq, [], "", None, error)
+
+    @staticmethod
+    def output(seq: Sequence, ids, text, logprobs, error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=list(ids), new_text=text,
+            finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids), new_logprobs=logprobs,
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None, error=error)

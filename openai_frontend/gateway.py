@@ -1,0 +1,292 @@
+"""Triton over asyncio gRPC: health, the LLM models, the chat template, and abortable token streams."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aio
+from tritonclient.utils import InferenceServerException
+
+from client.triton_inputs import is_final, response_text
+from .errors import APIError, from_triton, model_not_found, unavailable
+
+TOKENIZER_MODEL = "qwen3_tokenizer"
+log = logging.getLogger("openai_frontend")
+UNARY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Delta:
+    """One LLM response: new text and ids, their logprob entries, the prompt length, whether it is the last."""
+    text: str
+    ids: list[int]
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_input_tokens: int = 0
+    final: bool = False
+
+
+def _transport_error(exc: Exception) -> APIError:
+    """A failed gRPC call: Triton down -> 503, model missing -> 404, anything else -> 500."""
+    status = exc.status() if isinstance(exc, InferenceServerException) else getattr(exc, "code", lambda: None)()
+    status = str(status or "")
+    message = exc.message() if isinstance(exc, InferenceServerException) else str(exc)
+    if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status:
+        return unavailable(f"Triton is not reachable: {message}")
+    if "NOT_FOUND" in status:
+        return APIError(404, message, param="model", code="model_not_found")
+    if "INVALID_ARG" in status:
+        return from_triton(message)
+    return APIError(500, f"Triton error: {message}", type="server_error")
+
+
+def _delta(result) -> Delta:
+    text, ids = response_text(result)
+
+    def first(name, default=0):
+        arr = result.as_numpy(name)
+        return arr.reshape(-1)[0] if arr is not None and arr.size else default
+
+    reason = first("finish_reason", None)
+    logprobs = result.as_numpy("logprobs")
+    return Delta(text, ids, [json.loads(x) for x in logprobs] if logprobs is not None else [],
+                 reason.decode() if reason is not None else None, int(first("num_input_tokens")), is_final(result))
+
+
+def is_llm_config(config: dict) -> bool:
+    """A streaming LLM model: takes input_ids, returns text_output, and is not an ensemble."""
+    inputs = {t["name"] for t in config.get("input", [])}
+    outputs = {t["name"] for t in config.get("output", [])}
+    return config.get("platform") != "ensemble" and "input_ids" in inputs and "text_output" in outputs
+
+
+ABORT_WAIT_S = 10.0   # an aborted request's final response comes in milliseconds; past this, cancel
+_END = object()
+
+
+class TritonStream:
+    """One streaming LLM request. Iterate it for Deltas; close() stops the request early.
+
+    A task of its own reads the gRPC stream (a consumer that is cancelled, e.g. by a client that went away,
+    only stops waiting on a queue: cancelling a task that awaits a gRPC read would cancel the call).
+    close() never cancels the call, which would hit Triton 2.51's gRPC stream-cancellation race (a server
+    segfault, fixed upstream only in 24.12/25.03). It sends, on the same stream, a second request that
+    carries only `abort_request_id` = this request's id: the model aborts the request, which frees its KV
+    pages and ends it with a final response (finish_reason "abort"). The reader reads on until that final
+    response, then ends the request side (half-close), so the stream finishes normally. Only when that takes
+    longer than ABORT_WAIT_S is the call cancelled.
+
+    Responses are told apart by their id: the abort request's own (empty, final) response is not the
+    generation's."""
+
+    def __init__(self, client: aio.InferenceServerClient, model: str, inputs: list,
+                 abort_wait_s: float = ABORT_WAIT_S):
+        self.model = model
+        self.request_id = uuid.uuid4().hex
+        self.abort_id = f"{self.request_id}-abort"
+        self.aborted = False          # an abort request was sent
+        self.fell_back_to_cancel = False
+        self._abort_wait_s = abort_wait_s
+        self._outbox: asyncio.Queue = asyncio.Queue()   # requests to send; None ends the request side
+        self._deltas: asyncio.Queue = asyncio.Queue()   # Delta | APIError | _END
+        self._generation_done = False   # its final response (or an error) arrived: nothing left to abort
+        self._closing = False
+        self._half_closed = False
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._outbox.put_nowait({"model_name": model, "inputs": inputs, "request_id": self.request_id})
+        self._call = client.stream_infer(self._requests())
+        self._reader = asyncio.ensure_future(self._read())   # referenced by the gateway while it runs
+
+    async def _requests(self):
+        while (request := await self._outbox.get()) is not None:
+            yield request
+
+    def _half_close(self) -> None:
+        if not self._half_closed:
+            self._half_closed = True
+            self._outbox.put_nowait(None)
+            self._arm_watchdog()   # the stream now ends as soon as Triton has answered everything
+
+    def _arm_watchdog(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(self._abort_wait_s, self._expire)
+
+    def _expire(self) -> None:
+        """The stream did not finish in time (the abort was not honoured): cancel it after all."""
+        if not self._reader.done():
+            log.warning("Triton request %s did not end within %g s of its abort; cancelling the stream",
+                        self.request_id, self._abort_wait_s)
+            self.fell_back_to_cancel = True
+            self._call.cancel()
+
+    def _generation_ended(self) -> None:
+        self._generation_done = True
+        self._half_close()
+
+    async def _read(self) -> None:
+        try:
+            async for result, error in self._call:
+                if error is not None:
+                    # errors carry no response id. Before an abort only the generation is in flight, so
+                    # this is its final answer; after one it may be either, and the half-close below ends
+                    # the stream once the generation is over too (or the watchdog cancels it).
+                    if not self._closing:
+                        self._deltas.put_nowait(from_triton(error.message()))
+                    self._generation_ended()
+                    continue
+                if result.get_response().id != self.request_id:
+                    continue   # the abort request's empty final response
+                delta = _delta(result)
+                if not self._closing:
+                    self._deltas.put_nowait(delta)
+                if delta.final:
+                    self._generation_ended()
+        except (grpc.RpcError, InferenceServerException) as exc:
+            if not self._closing:
+                self._deltas.put_nowait(_transport_error(exc))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():   # this task was cancelled: the loop is shutting down
+                self._call.cancel()
+                raise
+            # else the call was cancelled (the watchdog): the stream is over
+        except Exception as exc:   # never leave a consumer waiting
+            log.exception("reading Triton stream %s failed", self.request_id)
+            self._deltas.put_nowait(APIError(500, f"Triton stream failed: {exc}", type="server_error"))
+        finally:
+            self._generation_done = True
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            self._deltas.put_nowait(_END)
+
+    async def __aiter__(self):
+        try:
+            while True:
+                item = await self._deltas.get()
+                if item is _END:
+                    if not self._closing:
+                        raise APIError(502, "the Triton stream ended before the final response",
+                                       type="server_error")
+                    return
+                if isinstance(item, APIError):
+                    raise item
+                yield item
+                if item.final:
+                    return
+        finally:
+            self.close()   # aborts the request unless its final response arrived
+
+    def close(self) -> None:
+        """Stops the request if it is still running (an abort request on the same stream, see the class)."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._generation_done:
+            return
+        self.aborted = True
+        abort = grpcclient.InferInput("abort_request_id", [1], "BYTES")
+        abort.set_data_from_numpy(np.array([self.request_id.encode()], dtype=np.object_))
+        self._outbox.put_nowait({"model_name": self.model, "inputs": [abort], "request_id": self.abort_id})
+        self._arm_watchdog()
+
+    @property
+    def finished(self) -> asyncio.Task:
+        """Done once the gRPC stream has ended."""
+        return self._reader
+
+
+class TritonGateway:
+    def __init__(self, url: str):
+        self.url = url
+        self._client: aio.InferenceServerClient | None = None
+        self._is_llm: dict[str, bool] = {}
+        self._streams: set[TritonStream] = set()
+
+    @property
+    def client(self) -> aio.InferenceServerClient:
+        if self._client is None:   # created lazily, inside the server's event loop
+            self._client = aio.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        """Shutdown: aborts the streams still open and waits (bounded) for them to end before the channel
+        closes, which would cancel them (a gRPC cancellation, see TritonStream)."""
+        streams = list(self._streams)
+        for stream in streams:
+            stream.close()
+        if streams:
+            await asyncio.wait([s.finished for s in streams], timeout=ABORT_WAIT_S + 1)
+        if self._client is not None:
+            await self._client.close()
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self.client.is_server_live(client_timeout=5.0)
+                    and await self.client.is_server_ready(client_timeout=5.0))
+        except (grpc.RpcError, InferenceServerException):
+            return False
+
+    async def _call(self, coro):
+        try:
+            return await coro
+        except (grpc.RpcError, InferenceServerException) as exc:
+            raise _transport_error(exc) from None
+
+    async def _llm(self, name: str) -> bool:
+        if name not in self._is_llm:
+            config = await self._call(self.client.get_model_config(name, as_json=True,
+                                                                   client_timeout=UNARY_TIMEOUT_S))
+            self._is_llm[name] = is_llm_config(config.get("config", {}))
+        return self._is_llm[name]
+
+    async def llm_models(self) -> list[str]:
+        """The ready models that are streaming LLMs (not ensembles, not the tokenizer)."""
+        index = await self._call(self.client.get_model_repository_index(as_json=True,
+                                                                        client_timeout=UNARY_TIMEOUT_S))
+        ready = sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
+        return [name for name in ready if await self._llm(name)]
+
+    async def require_llm(self, name: str) -> None:
+        """404 for a model Triton does not know or that is not an LLM; 503 for one not ready."""
+        if not await self._call(self.client.is_model_ready(name, client_timeout=UNARY_TIMEOUT_S)):
+            index = await self._call(self.client.get_model_repository_index(as_json=True,
+                                                                            client_timeout=UNARY_TIMEOUT_S))
+            if any(m["name"] == name for m in index.get("models", [])):
+                raise unavailable(f"The model '{name}' is not ready")
+            raise model_not_found(name)
+        if not await self._llm(name):
+            raise model_not_found(name)
+
+    async def chat_input_ids(self, messages: list[dict], enable_thinking: bool | None) -> list[int]:
+        """Prompt ids of a conversation, from the tokenizer model's chat template."""
+        tensors = [self._batch1("messages", json.dumps(messages, ensure_ascii=False).encode(), "BYTES"),
+                   self._batch1("add_generation_prompt", True, "BOOL")]
+        if enable_thinking is not None:
+            tensors.append(self._batch1("enable_thinking", enable_thinking, "BOOL"))
+        try:
+            result = await self.client.infer(TOKENIZER_MODEL, tensors, client_timeout=UNARY_TIMEOUT_S)
+        except InferenceServerException as exc:
+            if "NOT_FOUND" in str(exc.status() or "") or "unknown model" in exc.message().lower():
+                raise unavailable(f"the tokenizer model '{TOKENIZER_MODEL}' is not served") from None
+            raise _transport_error(exc) from None
+        return result.as_numpy("input_ids")[0].tolist()
+
+    @staticmethod
+    def _batch1(name: str, value, dtype: str):
+        """A [1, 1] tensor: the tokenizer model batches (max_batch_size > 0)."""
+        arr = np.array([[value]], dtype=bool if dtype == "BOOL" else np.object_)
+        tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
+        tensor.set_data_from_numpy(arr)
+        return tensor
+
+    def stream(self, model: str, inputs: list) -> TritonStream:
+        stream = TritonStream(self.client, model, inputs)
+        self._streams.add(stream)   # also the strong reference that keeps its reader task alive
+        stream.finished.add_done_callback(lambda _task: self._streams.discard(stream))
+        return stream

@@ -1,0 +1,90 @@
+"""Support code of the tests (not a test module): shared constants, the engine factory and the gRPC
+stream collector. Tests import from here, never from each other."""
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from client.triton_inputs import build_inputs, is_final, response_text
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The quick brown fox jumps over the lazy dog"
+GREEDY = {"sampling_parameters": {"temperature": 0, "ignore_eos": True}}   # Triton dialect: greedy, full length
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "介绍一下北京故宫"}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}, {"role": "user", "content": "x3?"}],
+    [{"role": "user", "content": "Think about 🎉"}],
+    [{"role": "user", "content": "code:\n```py\nprint(1)\n```"},
+     {"role": "assistant", "content": "<think>\nok\n</think>\n\nIt prints 1."}, {"role": "user", "content": "why"}],
+]
+
+SERVER_ENGINE = {"page_size": "16", "kv_cache_memory": "64MiB", "max_model_len": "1024", "max_num_seqs": "16",
+                 "max_num_batched_tokens": "64", "dtype": "bfloat16"}
+
+
+def make_engine(checkpoint, **kw):
+    from backend_lib.config import EngineConfig
+    from backend_lib.engine import LLMEngine
+
+    opts = dict(dtype="float32", page_size=16, kv_cache_memory="64MiB", max_model_len=1024, max_num_seqs=8,
+                max_num_batched_tokens=64)
+    opts.update(kw)
+    return LLMEngine(EngineConfig(checkpoint=str(checkpoint), **opts))
+
+
+def offline_generate(ckpt, prompt, max_tokens, dtype="bfloat16", kv_cache="bf16"):
+    proc = subprocess.run([sys.executable, "-m", "backend_lib.generate", "--checkpoint", str(ckpt), "--prompt", prompt,
+                           "--max-tokens", str(max_tokens), "--temperature", "0", "--ignore-eos", "--dtype", dtype,
+                           "--page-size", SERVER_ENGINE["page_size"], "--kv-cache", kv_cache, "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def collect(url, model, timeout=120, raw_inputs=None, **request) -> list:
+    """All responses of one gRPC stream request, as (text, ids, final) tuples, or ("ERROR", message, True).
+    raw_inputs: InferInput tensors to send as they are instead of build_inputs(**request)."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer(model, raw_inputs if raw_inputs is not None else build_inputs(**request),
+                              enable_empty_final_response=True)
+    out = []
+    try:
+        while True:
+            r, e = results.get(timeout=timeout)
+            if e is not None:
+                out.append(("ERROR", str(e), True))
+                break
+            text, ids = response_text(r)
+            out.append((text, ids, is_final(r)))
+            if is_final(r):
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return out
+
+
+def tokenizer_model(url, **inputs):
+    client = grpcclient.InferenceServerClient(url)
+    tensors = []
+    for name, value in inputs.items():
+        if isinstance(value, bool):
+            arr, dtype = np.array([[value]], dtype=bool), "BOOL"
+        else:
+            arr, dtype = np.array([[value.encode()]], dtype=np.object_), "BYTES"
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    try:
+        return client.infer("qwen3_tokenizer", tensors).as_numpy("input_ids")[0].tolist()
+    finally:
+        client.close()

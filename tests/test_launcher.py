@@ -1,0 +1,94 @@
+"""The project's `tritonserver` command: which server it runs, with what, and how it stops it."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from backend_lib.serving import launcher
+
+FAKE_SERVER = textwrap.dedent("""
+    import os, signal, sys, time
+    out = sys.argv[1]
+    def on_term(signum, frame):
+        flag = os.environ.get("QWEN3_STOP_FLAG", "")
+        with open(out, "w") as f:
+            f.write(f"{signum} {int(bool(flag) and os.path.exists(flag))}")
+        sys.exit(0)
+    if sys.argv[2] == "obey":
+        signal.signal(signal.SIGTERM, on_term)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a server that cannot finish exiting
+    open(out + ".ready", "w").close()
+    time.sleep(60)
+""")
+
+
+def _supervise_in_thread(tmp_path, mode, kill_after=None):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    out = tmp_path / "seen"
+    result = {}
+    cmd = [sys.executable, str(script), str(out), mode]
+
+    def run():   # supervise installs signal handlers: only the main thread may; run it in a child python
+        code = (f"import sys; from backend_lib.serving import launcher; "
+                f"sys.exit(launcher.supervise({cmd!r}, dict(__import__('os').environ), kill_after={kill_after!r}))")
+        result["proc"] = subprocess.Popen([sys.executable, "-c", code], cwd=launcher.Path(launcher.__file__).parents[2])
+        result["rc"] = result["proc"].wait(60)
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 30
+    while not (tmp_path / "seen.ready").exists():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    return t, result, out
+
+
+def test_stop_signal_creates_the_stop_flag_before_the_server_sees_the_signal(tmp_path):
+    t, result, out = _supervise_in_thread(tmp_path, "obey")
+    t0 = time.time()
+    result["proc"].send_signal(signal.SIGTERM)
+    t.join(30)
+    assert result["rc"] == 0 and time.time() - t0 < 5
+    assert out.read_text() == f"{int(signal.SIGTERM)} 1"   # the flag existed when the server got SIGTERM
+
+
+def test_a_server_that_does_not_exit_is_killed_after_the_grace(tmp_path):
+    t, result, out = _supervise_in_thread(tmp_path, "ignore", kill_after=1.0)
+    t0 = time.time()
+    result["proc"].send_signal(signal.SIGTERM)
+    t.join(30)
+    assert result["rc"] == 128 + signal.SIGKILL and 0.9 < time.time() - t0 < 10
+
+
+def test_exit_timeout_defaults_to_five_seconds_and_keeps_the_operators():
+    assert launcher.exit_timeout(["--model-repository", "m"]) == (
+        ["--model-repository", "m", "--exit-timeout-secs=5"], 5)
+    assert launcher.exit_timeout(["--exit-timeout-secs", "20"]) == (["--exit-timeout-secs", "20"], 20)
+    assert launcher.exit_timeout(["--exit-timeout-secs=3"]) == (["--exit-timeout-secs=3"], 3)
+
+
+def test_a_real_tritonserver_on_path_is_run_with_the_arguments_and_environment(tmp_path, monkeypatch):
+    fake = tmp_path / "bin" / "tritonserver"
+    fake.parent.mkdir()
+    fake.write_bytes(b"\x7fELF" + b"\0" * 16)   # looks like a server binary
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("QWEN3_TRITONSERVER", raising=False)
+    cmd, env = launcher.command(["--model-repository", "model_repository", "--exit-timeout-secs=5"])
+    assert cmd == [str(fake), "--model-repository", "model_repository", "--exit-timeout-secs=5"]
+    assert env["PATH"] == os.environ["PATH"]
+
+
+def test_without_a_real_server_the_bundled_one_gets_the_backend_directory(monkeypatch):
+    monkeypatch.setenv("QWEN3_TRITONSERVER", "bundled")
+    cmd, env = launcher.command(["--model-repository", "m"])
+    assert cmd[0].endswith("tritonserver") and cmd[1].startswith("--backend-directory=")
+    assert cmd[2:] == ["--model-repository", "m"]
+    assert str(launcher.Path(sys.prefix) / "bin") == env["PATH"].split(os.pathsep)[0]

@@ -1,0 +1,78 @@
+"""The wire schema is the one source of the models' I/O: generated ensembles, parsing and client agree."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from backend_lib.serving import schema
+from backend_lib.serving.request import parse_request
+from backend_lib.serving.responses import output_arrays
+from client.triton_inputs import build_inputs
+from helpers import ROOT
+
+
+@pytest.mark.parametrize("name, llm", sorted(schema.ENSEMBLES.items()))
+def test_ensemble_configs_are_generated_from_the_schema(name, llm):
+    on_disk = (ROOT / "model_repository" / name / "config.pbtxt").read_text()
+    assert on_disk == schema.ensemble_config(name, llm), \
+        "the ensemble config drifted from the schema: run `python -m backend_lib.serving.schema --write`"
+
+
+@pytest.mark.parametrize("model", ["qwen3_a8w8", "qwen3_tq", "qwen3_tokenizer"])
+def test_python_models_declare_no_io_of_their_own(model):
+    text = (ROOT / "model_repository" / model / "config.pbtxt").read_text()
+    assert "input [" not in text and "output [" not in text   # auto_complete_config declares them
+
+
+class FakeConfig:
+    def __init__(self):
+        self.inputs, self.outputs, self.policy, self.mbs = [], [], None, None
+
+    def add_input(self, d):
+        self.inputs.append(d)
+
+    def add_output(self, d):
+        self.outputs.append(d)
+
+    def set_model_transaction_policy(self, d):
+        self.policy = d
+
+    def set_max_batch_size(self, n):
+        self.mbs = n
+
+
+def test_llm_auto_complete_declares_every_schema_field_optional_and_decoupled():
+    from backend_lib.serving.triton_llm import TritonLLMModel
+
+    cfg = TritonLLMModel.auto_complete_config(FakeConfig())
+    assert [d["name"] for d in cfg.inputs] == [f.name for f in schema.LLM_INPUTS]
+    assert all(d["optional"] for d in cfg.inputs)
+    assert [d["name"] for d in cfg.outputs] == [f.name for f in schema.LLM_OUTPUTS]
+    assert cfg.policy == {"decoupled": True} and cfg.mbs == 0
+
+
+def test_every_sampling_input_reaches_the_sampling_fields_with_its_schema_type():
+    values = {"max_tokens": 7, "min_tokens": 1, "top_k": 3, "temperature": 0.5, "top_p": 0.75,
+              "presence_penalty": 0.25, "frequency_penalty": 0.5, "repetition_penalty": 1.5, "seed": 11}
+    assert set(values) == set(schema.SAMPLING_INPUTS)
+    tensors = {t.name(): t for t in build_inputs("hi", stream=False, **values)}
+    for name in schema.SAMPLING_INPUTS:   # the client sends the schema's wire type
+        assert tensors[name].datatype() == schema.LLM_INPUT[name].wire_type
+    arrays = {name: np.array(v, dtype=schema.LLM_INPUT[name].np_dtype).reshape(1) for name, v in values.items()}
+    arrays["text_input"] = np.array([b"hi"], dtype=np.object_)
+    req = parse_request(arrays.get, None)
+    assert req.sampling == values and req.text == "hi"
+
+
+def test_outputs_use_the_schema_dtypes():
+    class Flags:
+        return_finish_reason = return_num_input_tokens = return_num_output_tokens = return_logprobs = True
+
+    arrays = output_arrays("é", [1, 2], finish_reason="stop", num_input_tokens=3, num_output_tokens=2,
+                           cumulative_logprob=-1.5, logprobs=[{"id": 1}], flags=Flags)
+    assert set(arrays) == {f.name for f in schema.LLM_OUTPUTS}
+    for name, arr in arrays.items():
+        assert arr.dtype == schema.LLM_OUTPUT[name].np_dtype
+    assert arrays["text_output"][0].decode() == "é" and json.loads(arrays["logprobs"][0]) == {"id": 1}
