@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512      # prefill chunk budget per step
     default_max_tokens: int = 256
     max_waiting_requests: int = 256        # beyond this, new requests are refused at once (UNAVAILABLE)
+    enable_prefix_caching: bool = True     # full KV pages cached by content and reused by later prompts
     tq_seed: int = 0
     kernels: str = "auto"                  # auto | reference | cpu
     kernel_cache_dir: str | None = None
@@ -51,6 +52,8 @@ class EngineConfig:
                 kwargs[key] = _to_int(key, kwargs[key])
             elif key in kwargs:
                 kwargs.pop(key)
+        if "enable_prefix_caching" in kwargs:
+            kwargs["enable_prefix_caching"] = _to_bool("enable_prefix_caching", kwargs["enable_prefix_caching"])
         for key in ("tokenizer", "kernel_cache_dir", "fault_injection"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
@@ -93,6 +96,17 @@ def fault_every(spec: str) -> int:
     if kind != "every" or not n.isdigit() or int(n) < 1:
         raise ValueError(f"fault_injection: {spec!r} is not 'every:N' with N >= 1")
     return int(n)
+
+
+def _to_bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"{name}: {value!r} is not a boolean (true or false)")
 
 
 def _to_int(name: str, value) -> int:

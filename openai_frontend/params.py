@@ -150,6 +150,11 @@ def _sampling(gen: Generation, body: dict, max_tokens_names: tuple[str, ...]) ->
         gen.sampling["min_p"] = min_p
     if _boolean(body, "ignore_eos") is not None:
         gen.sampling["ignore_eos"] = body["ignore_eos"]
+    salt = body.get("cache_salt")   # vLLM: requests with different salts never share cached KV pages
+    if salt is not None:
+        if not isinstance(salt, str) or not salt or len(salt) > 256:
+            raise bad_request("cache_salt must be a non-empty string of at most 256 characters", "cache_salt")
+        gen.sampling["cache_salt"] = salt
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(_token_id(i) for i in stop_ids):

@@ -510,3 +510,18 @@ def test_a_disconnect_storm_never_takes_the_server_down(triton, front, client):
           f"{STORM_WAVE_SIZE}, {len(good)} greedy streams beside them (tokens equal to their solo runs), "
           f"{storm_s:.1f} s; aborted {sum(aborts.values()):.0f} {aborts}, cancelled 0, server deaths 0, "
           f"KV pages back to 0 {freed_s:.2f} s after the storm")
+
+
+def test_cache_salt_reaches_the_prefix_cache(triton, client):
+    m = "qwen3_tq"
+    prompt = "Shared context for every tenant. " * 10
+    hits = lambda: triton.metric("vllm:prefix_cache_hits_total", m)  # noqa: E731
+    kw = dict(model=m, prompt=prompt, max_tokens=4, temperature=0)
+    a = client.completions.create(**kw, extra_body={"cache_salt": "a"}).choices[0].text
+    h0 = hits()
+    assert client.completions.create(**kw, extra_body={"cache_salt": "b"}).choices[0].text == a
+    assert hits() == h0                                       # another salt shares nothing
+    assert client.completions.create(**kw, extra_body={"cache_salt": "a"}).choices[0].text == a
+    assert hits() > h0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(**kw, extra_body={"cache_salt": 5})

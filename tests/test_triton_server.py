@@ -137,3 +137,20 @@ def test_metric_counts_are_exact_for_a_known_request(triton):
     assert after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"] == 8
     assert triton.finished_total(m, "length") - length_before == 1
     assert triton.metric("vllm:kv_cache_pages_total", m) > 0
+
+
+def test_prefix_cache_through_the_server_reuses_pages_and_keeps_the_ids(triton):
+    m = "qwen3_a8w8"
+    prompt = ("You are a careful assistant. " * 12) + "Question: what is 2 + 2?"
+    hits = lambda: triton.metric("vllm:prefix_cache_hits_total", m)  # noqa: E731
+    queries = lambda: triton.metric("vllm:prefix_cache_queries_total", m)  # noqa: E731
+    salted = {"sampling_parameters": {**GREEDY["sampling_parameters"], "cache_salt": "tenant-x"}}
+    first = collect(triton.grpc_url, m, prompt=prompt, max_tokens=8, **salted)
+    h0, q0 = hits(), queries()
+    again = collect(triton.grpc_url, m, prompt=prompt, max_tokens=8, **salted)
+    assert again == first
+    assert queries() > q0 and hits() - h0 >= 16 * 4          # the prompt's full pages came from the cache
+    h1 = hits()
+    other = collect(triton.grpc_url, m, prompt=prompt, max_tokens=8, **GREEDY)   # no salt: another tenant
+    assert other == first and hits() == h1
+    assert triton.metric("vllm:kv_cache_pages_cached", m) > 0

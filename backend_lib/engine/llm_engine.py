@@ -22,6 +22,7 @@ from ..device import parse_dtype, resolve_device
 from ..kernels import get_kernels
 from ..kv_cache import BlockManager
 from ..kv_cache.pool import pool_token_capacity
+from ..kv_cache.prefix import root_hash
 from ..sampling.params import RequestError, SamplingParams
 from ..sampling.sampler import SampleError
 from ..tokenizer import Tokenizer
@@ -71,7 +72,7 @@ class LLMEngine:
                  torch.get_num_threads())
         self.runner = ModelRunner(cfg, mc, scheme, self.device, self.dtype, kernels, self.max_model_len,
                                   fault_every(cfg.fault_injection) if cfg.fault_injection else None)
-        self.block_manager = BlockManager(self.runner.kv_cache.num_pages, cfg.page_size)
+        self.block_manager = BlockManager(self.runner.kv_cache.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.end_ids = set(self.tokenizer.end_token_ids) | set(mc.eos_token_ids)
@@ -114,6 +115,8 @@ class LLMEngine:
             raise RequestError(f"request id {request.request_id!r} is already running")
         seq = Sequence(request.request_id, list(request.prompt_ids), request.params, request.max_tokens,
                        self.end_ids)
+        if self.block_manager.caching:
+            seq.cache_root = root_hash(self.runner.kv_cache.content_key, request.params.cache_salt)
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         self.output.add(seq)
@@ -145,6 +148,7 @@ class LLMEngine:
             return [self._finish(seq, "error", f"engine step failed: {exc}") for seq, _ in plan]
         for seq, n in plan:
             seq.num_computed += n
+            self.scheduler.cache_full_pages(seq)
         outputs = []
         for seq, sample in results:
             if isinstance(sample, SampleError):
@@ -175,8 +179,10 @@ class LLMEngine:
     def _count(self, **increments) -> None:
         """Publishes a new stats snapshot (an immutable object: readers in other threads see whole ones)."""
         s = self.stats
-        self.stats = replace(s, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                             pages_used=self.block_manager.num_used, num_preemptions=self.scheduler.num_preemptions,
+        sched, bm = self.scheduler, self.block_manager
+        self.stats = replace(s, running=len(sched.running), waiting=len(sched.waiting), pages_used=bm.num_used,
+                             pages_cached=bm.num_cached, num_preemptions=sched.num_preemptions,
+                             prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits,
                              **{k: getattr(s, k) + v for k, v in increments.items()})
 
     def publish_stats(self) -> None:

@@ -44,6 +44,9 @@ class EngineStats:
     waiting: int = 0
     pages_used: int = 0
     pages_total: int = 0
+    pages_cached: int = 0          # full pages held in the prefix cache (in use or evictable)
+    prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int = 0     # of those, tokens served from cached pages
     num_preemptions: int = 0
     num_failed_steps: int = 0
     prompt_tokens: int = 0

@@ -2,7 +2,9 @@
 
 Each step first gives every running decode its one token, then continues chunked prefills, then
 admits waiting requests, all within a token budget, so a long prompt never stalls the decoding of
-others. When the page pool runs dry the newest running sequence is preempted (its pages freed,
+others. With prefix caching, an admitted request first takes the cached pages that hold the longest
+run of its full pages (at least its last token is computed, for its logits), and every page that
+becomes full is recorded in the cache. When the page pool runs dry the newest running sequence is preempted (its pages freed,
 recomputed later from its prompt and the tokens it already produced); nothing is ever dropped.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_queries = 0    # tokens of admitted requests looked up in the prefix cache
+        self.prefix_hits = 0       # of those, tokens found cached
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -67,13 +71,37 @@ class Scheduler:
             budget -= n
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_pending, budget)
-            if not self.bm.can_grow(seq.block_table, seq.num_computed + n):
+            cached = self._cached_prefix(seq)
+            start = len(cached) * self.bm.page_size
+            n = min(seq.num_tokens - start, budget)
+            if self.bm.extra_pages(cached, start + n) + self.bm.cost_of(cached) > self.bm.num_free:
                 break
             self.waiting.popleft()
+            if self.bm.caching:
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += start
+                self.bm.acquire(cached)
+                seq.block_table, seq.num_computed, seq.num_registered = cached, start, len(cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.bm.grow(seq.block_table, seq.num_computed + n)
             plan[seq] = n
             budget -= n
         return list(plan.items())
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached pages holding the longest run of seq's full pages, leaving at least one token to compute."""
+        if not self.bm.caching or seq.num_computed:
+            return []
+        return self.bm.match(seq.full_page_hashes((seq.num_tokens - 1) // self.bm.page_size, self.bm.page_size))
+
+    def cache_full_pages(self, seq: Sequence) -> None:
+        """After a step: records seq's pages that are now full (all their K/V computed) in the prefix cache."""
+        if not self.bm.caching:
+            return
+        full = seq.num_computed // self.bm.page_size
+        if full > seq.num_registered:
+            for i, h in enumerate(seq.full_page_hashes(full, self.bm.page_size)[seq.num_registered:],
+                                  seq.num_registered):
+                self.bm.register(seq.block_table[i], h)
+            seq.num_registered = full

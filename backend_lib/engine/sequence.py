@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from ..kv_cache.prefix import extend_hashes
 from ..sampling.params import SamplingParams
 
 
@@ -34,6 +35,9 @@ class Sequence:
         self.generator.manual_seed(seed % 2**64)
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
+        self.cache_root: bytes | None = None   # prefix caching on: the root of this request's page hashes
+        self.page_hashes: list[bytes] = []     # hashes of the first full pages of `tokens` (a chain)
+        self.num_registered = 0                # pages of block_table recorded in the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +52,14 @@ class Sequence:
         self.output_ids.append(token_id)
         self.tokens.append(token_id)
 
+    def full_page_hashes(self, num_pages: int, page_size: int) -> list[bytes]:
+        """Hashes of the first `num_pages` full pages (computed once; full pages never change)."""
+        extend_hashes(self.page_hashes, self.cache_root, self.tokens, page_size, num_pages)
+        return self.page_hashes[:num_pages]
+
     def reset_for_recompute(self) -> None:
-        """After preemption: the pages are gone, prompt + output so far will be prefilled again."""
+        """After preemption: the pages are released (cached ones may be found again), prompt + output so
+        far will be prefilled again."""
         self.num_computed = 0
+        self.num_registered = 0
         self.status = SequenceStatus.WAITING

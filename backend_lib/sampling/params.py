@@ -104,6 +104,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    cache_salt: str | None = None          # prefix caching: only requests with the same salt share pages
 
     @classmethod
     def names(cls) -> set[str]:
@@ -157,6 +158,9 @@ class SamplingParams:
                 raise RequestError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > 256):
+            raise RequestError("cache_salt must be a non-empty string of at most 256 characters")
         if not isinstance(self.skip_special_tokens, bool):
             raise RequestError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
         return self

@@ -70,6 +70,13 @@ class EngineMetrics:
         self.pages_total = fam("vllm:kv_cache_pages_total", "KV-cache pages in the pool", M.GAUGE).Metric(
             labels=labels)
         self.usage = fam("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1", M.GAUGE).Metric(labels=labels)
+        self.pages_cached = fam("vllm:kv_cache_pages_cached", "Full KV pages held in the prefix cache",
+                                M.GAUGE).Metric(labels=labels)
+        self.prefix_queries = fam("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
+                                  M.COUNTER).Metric(labels=labels)
+        self.prefix_hits = fam("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
+                               M.COUNTER).Metric(labels=labels)
+        self._published_queries = self._published_hits = 0
         self.prompt_tokens = fam("vllm:prompt_tokens_total", "Prompt tokens of admitted requests", M.COUNTER).Metric(
             labels=labels)
         self.generation_tokens = fam("vllm:generation_tokens_total", "Generated tokens", M.COUNTER).Metric(
@@ -106,6 +113,13 @@ class EngineMetrics:
         self.pages_used.set(stats.pages_used)
         self.pages_total.set(stats.pages_total)
         self.usage.set(stats.pages_used / stats.pages_total if stats.pages_total else 0.0)
+        self.pages_cached.set(stats.pages_cached)
+        if stats.prefix_cache_queries > self._published_queries:
+            self.prefix_queries.increment(stats.prefix_cache_queries - self._published_queries)
+            self._published_queries = stats.prefix_cache_queries
+        if stats.prefix_cache_hits > self._published_hits:
+            self.prefix_hits.increment(stats.prefix_cache_hits - self._published_hits)
+            self._published_hits = stats.prefix_cache_hits
 
 
 class MetricsPublisher:

@@ -17,7 +17,7 @@ from .schema import FLAG_INPUTS, LLM_INPUT, SAMPLING_INPUTS
 _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                 "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
                 "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
-                "skip_special_tokens": bool}
+                "skip_special_tokens": bool, "cache_salt": str}
 
 
 @dataclass
