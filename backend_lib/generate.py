@@ -78,7 +78,8 @@ def main(argv=None) -> int:
         print(json.dumps({"output_ids": out_ids, "text": "".join(text), "finish_reason": reason,
                           "prompt_ids": prompt_ids, "num_prompt_tokens": len(prompt_ids),
                           "num_output_tokens": len(out_ids), "time_to_first_token_s": (t_first or t1) - t0,
-                          "decode_tokens_per_s": decode_tps}, ensure_ascii=False))
+                          "decode_tokens_per_s": decode_tps,
+                          "prefix_cache_hits": engine.stats.prefix_cache_hits}, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         print(f"[{len(out_ids)} tokens, finish_reason={reason}, ttft {((t_first or t1) - t0) * 1000:.0f} ms"

@@ -36,6 +36,30 @@ def _table(title: str, table: dict[str, dict[int, float]], anchor: str | None, h
     return md + [""]
 
 
+PREFIX_ANCHOR = "engine A8W8, no cache"
+
+
+def _prefix_table(rows: list[dict]) -> list[str]:
+    chat = [r for r in rows if r["group"] == "prefix" and r["mode"] == "multiturn"]
+    shared = [r for r in rows if r["group"] == "prefix" and r["mode"] == "shared_prefix"]
+    if not chat:
+        return []
+    md = ["Prefix caching, multi-turn chat (1,024-token shared system prompt, 64-token user turns and replies): "
+          "time to first token p50 / p90 in ms per turn, and total time:", "",
+          "| system | turn 1 | turn 2 | turn 3 | turn 4 | total s |", "|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["system"] for r in chat):
+        turns = sorted((r for r in chat if r["system"] == name), key=lambda r: r["turn"])
+        md.append(f"| {name} | " + " | ".join(f"{r['ttft_p50_s'] * 1000:.0f} / {r['ttft_p90_s'] * 1000:.0f}"
+                                               for r in turns) + f" | {turns[0]['total_s']:.1f} |")
+    md += ["", "Prefix caching, shared system prompt (16 requests: the same 1,024 tokens + a distinct 32-token "
+           "question): time to first token of requests 2-16, ms, and total time:", "",
+           "| system | first (cold) | p50 | p90 | total s |", "|---|---|---|---|---|"]
+    for r in shared:
+        md.append(f"| {r['system']} | {r['first_ttft_s'] * 1000:.0f} | {r['ttft_p50_s'] * 1000:.0f} | "
+                  f"{r['ttft_p90_s'] * 1000:.0f} | {r['total_s']:.1f} |")
+    return md + [""]
+
+
 def write_report(rows: list[dict], machine: dict, out: Path) -> None:
     md = [f"Machine: {machine.get('cpu')}, {machine.get('cores')} cores ({', '.join(machine.get('isa', []))}), "
           f"torch {machine.get('torch')}, {machine.get('date')}", ""]
@@ -57,6 +81,7 @@ def write_report(rows: list[dict], machine: dict, out: Path) -> None:
     md += _table("Decode at 2048-token context, 8 sequences, A8W8 weights (tokens/s):", _decode(rows, "long"), "TQ KV")
     md += _table("Through tritonserver (gRPC streaming, client load generator) vs the engine in-process:",
                  _decode(rows, "triton"), ANCHOR, header="concurrency")
+    md += _prefix_table(rows)
     (out / "table.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     try:

