@@ -120,7 +120,7 @@ class LLMEngine:
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         self.output.add(seq)
-        self._count(prompt_tokens=len(seq.prompt_ids))
+        self.publish_stats(prompt_tokens=len(seq.prompt_ids))
 
     def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
         seq = self._seqs.get(request_id)
@@ -143,7 +143,7 @@ class LLMEngine:
         try:
             results = self.runner.execute(plan)
         except Exception as exc:  # a fault in the forward: fail this step's requests, keep serving
-            self._count(num_failed_steps=1)
+            self.publish_stats(num_failed_steps=1)
             log.exception("engine step failed; failing %d request(s)", len(plan))
             return [self._finish(seq, "error", f"engine step failed: {exc}") for seq, _ in plan]
         for seq, n in plan:
@@ -164,7 +164,7 @@ class LLMEngine:
             if out.finished:
                 self._release(seq)
             outputs.append(out)
-        self._count(generation_tokens=sum(len(o.new_token_ids) for o in outputs))
+        self.publish_stats(generation_tokens=sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
@@ -176,7 +176,7 @@ class LLMEngine:
         self._seqs.pop(seq.request_id, None)
         self.scheduler.remove(seq)
 
-    def _count(self, **increments) -> None:
+    def publish_stats(self, **increments) -> None:
         """Publishes a new stats snapshot (an immutable object: readers in other threads see whole ones)."""
         s = self.stats
         sched, bm = self.scheduler, self.block_manager
@@ -184,9 +184,6 @@ class LLMEngine:
                              pages_cached=bm.num_cached, num_preemptions=sched.num_preemptions,
                              prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits,
                              **{k: getattr(s, k) + v for k, v in increments.items()})
-
-    def publish_stats(self) -> None:
-        self._count()
 
     # ----- offline helpers -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
