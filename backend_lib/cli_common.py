@@ -15,8 +15,9 @@ from .kv_cache import KV_CACHE_KINDS
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     d = EngineConfig(checkpoint="-")
-    ap.add_argument("--checkpoint", required=True, help="checkpoint folder (config.json, safetensors, tokenizer)")
-    ap.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint)")
+    ap.add_argument("--checkpoint", required=True,
+                    help="checkpoint folder (config.json, safetensors, tokenizer) or Hugging Face id org/name[@revision]")
+    ap.add_argument("--tokenizer", help="tokenizer folder or Hugging Face id (default: the checkpoint)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help=f"default {d.dtype}")
     ap.add_argument("--kv-cache", choices=list(KV_CACHE_KINDS), help=f"default {d.kv_cache}")
     ap.add_argument("--page-size", type=int, help=f"default {d.page_size}")
@@ -34,7 +35,7 @@ def engine_config(args, **overrides) -> EngineConfig:
                   page_size=args.page_size, device=args.device, max_model_len=args.max_model_len,
                   kv_cache_memory=args.kv_cache_memory, kernels=args.kernels)
     fields.update(overrides)
-    return EngineConfig(**{k: v for k, v in fields.items() if v is not None})
+    return EngineConfig(**{k: v for k, v in fields.items() if v is not None}).resolve_locations()
 
 
 def parse_ids(text: str) -> list[int]:

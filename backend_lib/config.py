@@ -2,7 +2,6 @@
 name the knob. The Triton models (LLM and tokenizer), the CLIs and the bench all build it here."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 
 from .kernels import KERNEL_BACKENDS
@@ -58,11 +57,18 @@ class EngineConfig:
             if kwargs.get(key) == "":
                 kwargs.pop(key)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
-        if base_dir is not None:
-            cfg.checkpoint = _resolve(cfg.checkpoint, base_dir)
-            if cfg.tokenizer:
-                cfg.tokenizer = _resolve(cfg.tokenizer, base_dir)
-        return cfg.validate()
+        cfg.validate()
+        return cfg.resolve_locations(base_dir)
+
+    def resolve_locations(self, base_dir: str | None = None) -> "EngineConfig":
+        """checkpoint and tokenizer as local folders: a folder (relative to base_dir) stays one, a Hugging
+        Face id (org/name[@revision]) is fetched into the Hub cache (backend_lib.checkpoint.hub)."""
+        from .checkpoint.hub import resolve
+
+        self.checkpoint = resolve(self.checkpoint, "checkpoint", base_dir)
+        if self.tokenizer:
+            self.tokenizer = resolve(self.tokenizer, "tokenizer", base_dir)
+        return self
 
     def validate(self) -> "EngineConfig":
         if not self.checkpoint:
@@ -115,7 +121,3 @@ def _to_int(name: str, value) -> int:
     except ValueError:
         raise ValueError(f"{name}: {value!r} is not an integer") from None
 
-
-def _resolve(path: str, base_dir: str) -> str:
-    path = os.path.expanduser(path)
-    return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))

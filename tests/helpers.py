@@ -88,3 +88,26 @@ def tokenizer_model(url, **inputs):
         return client.infer("qwen3_tokenizer", tensors).as_numpy("input_ids")[0].tolist()
     finally:
         client.close()
+
+
+def make_hub_cache(cache: Path, repo_id: str, folder: Path, revision: str, refs: tuple[str, ...] = ("main",)) -> Path:
+    """Puts `folder` into a Hugging Face Hub cache as the hub client lays it out (blobs named by content,
+    snapshots/<revision>/ linking to them, refs/<branch> naming the revision): what `hf download` leaves.
+    Returns the snapshot folder."""
+    import hashlib
+    import os
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for src in sorted(p for p in folder.rglob("*") if p.is_file()):
+        data = src.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / src.relative_to(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(revision)
+    return snapshot

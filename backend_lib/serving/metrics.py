@@ -8,16 +8,17 @@ response, and per-token serving pays no call into the server.
 """
 from __future__ import annotations
 
-import logging
 import threading
 from collections import Counter
+
+from .log import get_logger
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0]
 ITL_BUCKETS = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0]
 FLUSH_PERIOD_S = 0.1
-log = logging.getLogger("backend_lib.triton")
+log = get_logger()
 
 
 class MetricsBuffer:

@@ -5,12 +5,12 @@ of defaults (EngineConfig's) hold for all of them."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 from ..config import EngineConfig
+from .log import get_logger
 
-log = logging.getLogger("backend_lib.triton")
+log = get_logger()
 
 
 def model_parameters(args: dict) -> dict[str, str]:

@@ -8,7 +8,6 @@ pages at once. The model reads engine state only through the loop's stats snapsh
 from __future__ import annotations
 
 import json
-import logging
 import os
 import queue
 import threading
@@ -21,9 +20,10 @@ from .request import ParsedRequest, parse_request, scalar, text_value
 from .responses import output_arrays
 from .schema import LLM_INPUTS, LLM_OUTPUTS, declare
 from .launcher import STOP_FLAG_ENV
+from .log import get_logger, setup as setup_logging
 from .triton_config import engine_config_from_args
 
-log = logging.getLogger("backend_lib.triton")
+log = get_logger()
 CANCEL_SWEEP_S = 0.1
 FINALIZE_TIMEOUT_S = 5.0
 STOP_FLAG_POLL_S = 0.1
@@ -49,16 +49,6 @@ class RequestState:
     done: bool = False
 
 
-def _setup_logging() -> None:
-    root = logging.getLogger("backend_lib")
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(os.environ.get("QWEN3_LOG_LEVEL", "INFO"))
-        root.propagate = False
-
-
 class TritonLLMModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
@@ -74,7 +64,7 @@ class TritonLLMModel:
         from ..engine import EngineLoop, LLMEngine
         from .metrics import EngineMetrics, MetricsBuffer, MetricsPublisher
 
-        _setup_logging()
+        setup_logging(pb_utils)
         self.pb = pb_utils
         self.name = args["model_name"]
         model_config = json.loads(args["model_config"])

@@ -10,7 +10,6 @@ one bad request gets its error, the others their ids; errors never carry traceba
 from __future__ import annotations
 
 import json
-import logging
 
 import numpy as np
 
@@ -19,9 +18,10 @@ from ..sampling.params import RequestError
 from ..tokenizer import Tokenizer, TokenizerError
 from .request import scalar, text_value
 from .schema import TOKENIZER_INPUTS, TOKENIZER_OUTPUTS, declare
+from .log import get_logger, setup as setup_logging
 from .triton_config import engine_config_from_args
 
-log = logging.getLogger("backend_lib.triton")
+log = get_logger()
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role": str, "content": (str, type(None)), "reasoning_content": str, "tool_calls": list,
                 "name": str, "tool_call_id": str}
@@ -103,9 +103,7 @@ class TritonTokenizerModel:
     def initialize(self, args):
         import triton_python_backend_utils as pb_utils
 
-        from .triton_llm import _setup_logging
-
-        _setup_logging()
+        setup_logging(pb_utils)
         self.pb = pb_utils
         self.batched = json.loads(args["model_config"]).get("max_batch_size", 0) > 0
         try:
