@@ -120,16 +120,23 @@ class TritonServer:
         except KeyError:
             return 0.0
 
+    def metric_families(self) -> dict:
+        """The metrics page parsed by prometheus-client's text parser: {family name: Metric} (counter
+        families are named without their _total suffix, as the parser does)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return {f.name: f for f in text_string_to_metric_families(self.metrics())}
+
     def metric(self, name: str, model: str, **labels) -> float:
-        """Sum of the samples of `name` for `model` whose labels include `labels`."""
+        """Sum of the samples named `name` (e.g. vllm:prompt_tokens_total, ..._count) for `model` whose labels
+        include `labels`."""
         total, found = 0.0, False
-        for line in self.metrics().splitlines():
-            if not line.startswith(name + "{"):
-                continue
-            lab = dict(re.findall(r'(\w+)="([^"]*)"', line[len(name):line.rindex("}")]))
-            if lab.get("model") == model and all(lab.get(k) == v for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
+        for family in self.metric_families().values():
+            for sample in family.samples:
+                if sample.name == name and sample.labels.get("model") == model and \
+                        all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+                    found = True
         if not found:
             raise KeyError(f"metric {name} for model {model} not found")
         return total

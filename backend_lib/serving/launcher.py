@@ -93,6 +93,10 @@ def bundled_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 STOP_FLAG_ENV = "QWEN3_STOP_FLAG"
+ENGINE_DEAD_ENV = "QWEN3_ENGINE_DEAD"            # file a model writes when its engine has died
+EXIT_ON_ENGINE_DEATH_ENV = "QWEN3_EXIT_ON_ENGINE_DEATH"
+ENGINE_DEAD_EXIT = 3                              # this command's exit status after an engine death
+WATCH_PERIOD_S = 0.2
 
 
 def command(args: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -103,7 +107,15 @@ def command(args: list[str]) -> tuple[list[str], dict[str, str]]:
     return bundled_command(args)
 
 
-def supervise(cmd: list[str], env: dict[str, str], kill_after: float | None = None) -> int:
+def exit_on_engine_death() -> bool:
+    raw = os.environ.get(EXIT_ON_ENGINE_DEATH_ENV, "true").strip().lower()
+    if raw not in ("true", "false", "1", "0"):
+        raise SystemExit(f"tritonserver: ${EXIT_ON_ENGINE_DEATH_ENV}={raw!r} is not true or false")
+    return raw in ("true", "1")
+
+
+def supervise(cmd: list[str], env: dict[str, str], kill_after: float | None = None,
+              exit_on_death: bool = True) -> int:
     """Runs the server as a child and drains it on SIGTERM/SIGINT/SIGHUP before passing the signal on.
 
     Triton waits for every open decoupled stream before it unloads a model, and nothing in the Python
@@ -114,9 +126,18 @@ def supervise(cmd: list[str], env: dict[str, str], kill_after: float | None = No
     'abort'), then Triton unloads and exits promptly. A server still running `kill_after` seconds after
     the signal (Triton 2.51 cannot finish exiting while a client holds a stream open) is killed; its model
     processes follow (they end themselves when their server is gone).
+
+    Engine death: a model whose engine thread has died answers every request with UNAVAILABLE at once,
+    and writes a line to the file named by $QWEN3_ENGINE_DEAD. Triton 2.51's Python backend cannot mark a
+    model not ready (a model may unload itself only under --model-control-mode=explicit, see
+    docs/deploy.md), so /v2/health/ready would go on answering 200 for a replica that cannot serve. With
+    exit_on_death this process then stops the server as on SIGTERM and exits with ENGINE_DEAD_EXIT, so
+    that its supervisor (Kubernetes, `docker run --restart`, systemd) starts a fresh one.
     """
-    flag = Path(tempfile.gettempdir()) / f"qwen3-triton-stop-{os.getpid()}-{time.time_ns()}"
-    env = {**env, STOP_FLAG_ENV: str(flag)}
+    stamp = f"{os.getpid()}-{time.time_ns()}"
+    flag = Path(tempfile.gettempdir()) / f"qwen3-triton-stop-{stamp}"
+    dead = Path(tempfile.gettempdir()) / f"qwen3-triton-engine-dead-{stamp}"
+    env = {**env, STOP_FLAG_ENV: str(flag), ENGINE_DEAD_ENV: str(dead)}
     proc = subprocess.Popen(cmd, env=env)
 
     def forward(signum, _frame):
@@ -139,10 +160,26 @@ def supervise(cmd: list[str], env: dict[str, str], kill_after: float | None = No
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
+    died = False
     try:
-        rc = proc.wait()
+        while True:
+            try:
+                rc = proc.wait(timeout=WATCH_PERIOD_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if exit_on_death and not died and dead.exists():
+                died = True
+                what = dead.read_text(errors="replace").strip() or "a model's engine died"
+                print(f"[tritonserver] {what}; stopping the server (exit status {ENGINE_DEAD_EXIT}) so that its "
+                      f"supervisor restarts it (${EXIT_ON_ENGINE_DEATH_ENV}=false keeps it running)",
+                      file=sys.stderr, flush=True)
+                forward(signal.SIGTERM, None)
     finally:
         flag.unlink(missing_ok=True)
+        dead.unlink(missing_ok=True)
+    if died:
+        return ENGINE_DEAD_EXIT
     return rc if rc >= 0 else 128 - rc
 
 
@@ -165,8 +202,9 @@ def exit_timeout(args: list[str]) -> tuple[list[str], int]:
 
 def main(argv: list[str] | None = None) -> None:
     args, timeout = exit_timeout(list(sys.argv[1:] if argv is None else argv))
+    exit_on_death = exit_on_engine_death()
     cmd, env = command(args)
-    sys.exit(supervise(cmd, env, kill_after=timeout + KILL_GRACE_S))
+    sys.exit(supervise(cmd, env, kill_after=timeout + KILL_GRACE_S, exit_on_death=exit_on_death))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 ROOT = "backend_lib"
 LEVEL_ENV = "QWEN3_LOG_LEVEL"
@@ -71,7 +72,21 @@ def setup(pb_utils=None) -> logging.Logger:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
         level = level or logging.INFO
     handler._qwen3 = True
+    if pb_utils is not None:
+        _log_thread_deaths(root)
     root.addHandler(handler)
     root.setLevel(level)
     root.propagate = False
     return root
+
+
+def _log_thread_deaths(root: logging.Logger) -> None:
+    """An exception that ends a thread (an engine thread that dies, say) goes to Triton's log with its
+    traceback, not to the stub's stderr."""
+    def hook(args):
+        if args.exc_type is SystemExit:
+            return
+        root.getChild("thread").error("thread %s died", getattr(args.thread, "name", "?"),
+                                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+    threading.excepthook = hook

@@ -1,5 +1,14 @@
 """vLLM-style custom metrics on Triton's metrics port (pb_utils.MetricFamily).
 
+The names, kinds, labels ({model, version}) and buckets follow triton-inference-server/vllm_backend
+(src/utils/metrics.py): vllm:prompt_tokens_total, vllm:generation_tokens_total,
+vllm:time_to_first_token_seconds, vllm:time_per_output_token_seconds (each interval between two tokens
+of a request, as vllm_backend observes it), vllm:e2e_request_latency_seconds,
+vllm:request_prompt_tokens, vllm:request_generation_tokens and vllm:request_params_n; plus vLLM's
+scheduler gauges (vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc), its
+vllm:inter_token_latency_seconds, vllm:request_success_total{finished_reason} (every reason listed
+from the start: stop, length, abort, cancelled, error) and the prefix-cache counters.
+
 Every metric update is a call into the server process. None is made on a request's path: the
 threads that serve requests only record into a MetricsBuffer (a lock and a list append), and one
 metrics thread flushes it to Triton every FLUSH_PERIOD_S together with the engine's gauges. So a
@@ -9,7 +18,7 @@ response, and per-token serving pays no call into the server.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from dataclasses import dataclass
 
 from .log import get_logger
 
@@ -17,7 +26,32 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0]
 ITL_BUCKETS = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]   # vllm_backend's
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]                                                     # vLLM's
+N_BUCKETS = [1, 2, 5, 10, 20]
+FINISH_REASONS = ("stop", "length", "abort", "cancelled", "error")
 FLUSH_PERIOD_S = 0.1
+
+
+def buckets_1_2_5(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's build_1_2_5_buckets, for token-count histograms)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > limit:
+                return out
+            out.append(float(v))
+        exp += 1
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    reason: str
+    e2e_s: float
+    prompt_tokens: int
+    generation_tokens: int
 log = get_logger()
 
 
@@ -32,10 +66,10 @@ class MetricsBuffer:
         self.prompt_tokens = self.generation_tokens = 0
         self.ttft: list[float] = []
         self.itl: list[float] = []
-        self.finished: Counter = Counter()
+        self.finished: list[FinishedRequest] = []
 
     def record(self, prompt_tokens: int = 0, generation_tokens: int = 0, ttft: float | None = None,
-               itl: float | None = None, finished: str | None = None) -> None:
+               itl: float | None = None, finished: FinishedRequest | None = None) -> None:
         with self._lock:
             self.prompt_tokens += prompt_tokens
             self.generation_tokens += generation_tokens
@@ -44,7 +78,7 @@ class MetricsBuffer:
             if itl is not None:
                 self.itl.append(itl)
             if finished is not None:
-                self.finished[finished] += 1
+                self.finished.append(finished)
 
     def take(self) -> "MetricsBuffer":
         """The updates so far (a detached copy); the buffer starts empty again."""
@@ -57,7 +91,7 @@ class MetricsBuffer:
 
 
 class EngineMetrics:
-    def __init__(self, pb_utils, labels: dict[str, str]):
+    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int):
         M = pb_utils.MetricFamily
         self._families = []  # a MetricFamily must outlive its Metric objects
 
@@ -86,18 +120,33 @@ class EngineMetrics:
             labels=labels)
         self._success = fam("vllm:request_success_total", "Finished requests by finish reason", M.COUNTER)
         self._labels = labels
-        self._by_reason: dict[str, object] = {}
-        self.ttft = fam("vllm:time_to_first_token_seconds", "Time to first token", M.HISTOGRAM).Metric(
-            labels=labels, buckets=TTFT_BUCKETS)
+        self._by_reason = {r: self._success.Metric(labels={**labels, "finished_reason": r}) for r in FINISH_REASONS}
+        self.ttft = fam("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                        M.HISTOGRAM).Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self.tpot = fam("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                        M.HISTOGRAM).Metric(labels=labels, buckets=TPOT_BUCKETS)
         self.itl = fam("vllm:inter_token_latency_seconds", "Time between consecutive tokens of a request",
                        M.HISTOGRAM).Metric(labels=labels, buckets=ITL_BUCKETS)
+        self.e2e = fam("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                       M.HISTOGRAM).Metric(labels=labels, buckets=E2E_BUCKETS)
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt = fam("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                  M.HISTOGRAM).Metric(labels=labels, buckets=token_buckets)
+        self.request_generation = fam("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                      M.HISTOGRAM).Metric(labels=labels, buckets=token_buckets)
+        self.request_n = fam("vllm:request_params_n", "Histogram of the n request parameter.",
+                             M.HISTOGRAM).Metric(labels=labels, buckets=N_BUCKETS)
 
-    def _finished(self, reason: str, n: int) -> None:
-        metric = self._by_reason.get(reason)
-        if metric is None:
-            metric = self._success.Metric(labels={**self._labels, "finished_reason": reason})
-            self._by_reason[reason] = metric
-        metric.increment(n)
+    def _finished(self, req: FinishedRequest) -> None:
+        metric = self._by_reason.get(req.reason)
+        if metric is None:    # a reason outside FINISH_REASONS still gets its series
+            metric = self._by_reason[req.reason] = self._success.Metric(
+                labels={**self._labels, "finished_reason": req.reason})
+        metric.increment(1)
+        self.e2e.observe(req.e2e_s)
+        self.request_prompt.observe(req.prompt_tokens)
+        self.request_generation.observe(req.generation_tokens)
+        self.request_n.observe(1)    # n > 1 is refused at admission
 
     def flush(self, updates: MetricsBuffer, stats) -> None:
         """Applies buffered updates and the engine's latest stats (calls into the server process)."""
@@ -109,8 +158,9 @@ class EngineMetrics:
             self.ttft.observe(v)
         for v in updates.itl:
             self.itl.observe(v)
-        for reason, n in updates.finished.items():
-            self._finished(reason, n)
+            self.tpot.observe(v)
+        for req in updates.finished:
+            self._finished(req)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.pages_used.set(stats.pages_used)

@@ -19,8 +19,9 @@ from ..sampling.params import RequestError
 from .request import ParsedRequest, parse_request, scalar, text_value
 from .responses import output_arrays
 from .schema import LLM_INPUTS, LLM_OUTPUTS, declare
-from .launcher import STOP_FLAG_ENV
+from .launcher import ENGINE_DEAD_ENV, STOP_FLAG_ENV
 from .log import get_logger, setup as setup_logging
+from .metrics import FinishedRequest
 from .triton_config import engine_config_from_args
 
 log = get_logger()
@@ -34,6 +35,10 @@ class Overloaded(Exception):
     """The waiting queue is full: refuse at once rather than queue without bound."""
 
 
+class EngineDead(Exception):
+    """The engine thread has died: every request is refused at once (UNAVAILABLE)."""
+
+
 @dataclass
 class RequestState:
     rid: str
@@ -43,6 +48,7 @@ class RequestState:
     prompt_ids: list[int]
     arrival: float
     last_token_at: float | None = None
+    generated: int = 0
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
@@ -78,7 +84,8 @@ class TritonLLMModel:
         self.engine = self.loop.engine   # immutable parts only (tokenizer, make_params): see LLMEngine
         self.metrics = MetricsBuffer()
         self.publisher = MetricsPublisher(
-            EngineMetrics(pb_utils, {"model": self.name, "version": args.get("model_version", "1")}), self.metrics,
+            EngineMetrics(pb_utils, {"model": self.name, "version": args.get("model_version", "1")},
+                          self.engine.max_model_len), self.metrics,
             lambda: self.loop.stats, name=f"{self.name}-metrics")
         self._queue: queue.Queue = queue.Queue()
         self._active: dict[str, RequestState] = {}
@@ -86,6 +93,7 @@ class TritonLLMModel:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._exiting = False     # the server is shutting down (or this model unloading)
+        self._dead = False        # the engine thread died (not a shutdown): see _engine_died
         self._thread = threading.Thread(target=self._respond_loop, name=f"{self.name}-responses", daemon=True)
         self._thread.start()
         self._watch = threading.Thread(target=self._watch_server, name=f"{self.name}-shutdown-watch", daemon=True)
@@ -100,7 +108,7 @@ class TritonLLMModel:
                 self._submit(request, sender)
             except RequestError as exc:
                 self._send_error(sender, str(exc), self.pb.TritonError.INVALID_ARG)
-            except Overloaded as exc:
+            except (Overloaded, EngineDead) as exc:
                 self._send_error(sender, str(exc), self.pb.TritonError.UNAVAILABLE)
             except Exception:
                 log.exception("%s: request failed before reaching the engine", self.name)
@@ -137,6 +145,36 @@ class TritonLLMModel:
             if flag and not self._exiting and os.path.exists(flag):
                 log.info("%s: the server is stopping; aborting the requests in flight", self.name)
                 self._drain()
+            if not self._exiting and not self._dead and not self.loop.alive:
+                self._engine_died()
+
+    def _dead_message(self) -> str:
+        return (f"{self.name}: the engine has stopped after a fault (UNAVAILABLE); the model cannot serve until "
+                f"it is reloaded or the server restarts")
+
+    def _engine_died(self) -> None:
+        """The engine thread is gone (not a shutdown). Triton 2.51 gives a Python model no way to report itself
+        not ready but unloading itself, which only --model-control-mode=explicit allows (as vllm_backend's
+        health check does). So: every request from now on is refused at once (execute) and the open ones
+        fail (the response thread's sweep); the model asks Triton to unload it; and it tells the project's
+        launcher, through the file named by $QWEN3_ENGINE_DEAD, which stops the server so that its
+        supervisor restarts it (launcher.supervise)."""
+        self._dead = True
+        log.error("%s: the engine thread has died (its traceback is above); failing its requests with UNAVAILABLE",
+                  self.name)
+        path = os.environ.get(ENGINE_DEAD_ENV)
+        if path:
+            try:
+                with open(path, "a") as f:
+                    f.write(f"model {self.name}: the engine has died\n")
+            except OSError:
+                log.exception("%s: could not write %s", self.name, path)
+        try:
+            self.pb.unload_model(self.name)
+            log.error("%s: unloading itself (not ready from now on)", self.name)
+        except Exception as exc:
+            log.warning("%s: cannot unload itself (%s); it stays listed as ready and refuses every request",
+                        self.name, exc)
 
     def _drain(self) -> None:
         """No more calls into the server but response sends: the metrics thread stops, and the engine
@@ -153,6 +191,8 @@ class TritonLLMModel:
             t = pb.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
+        if self._dead or (not self.loop.alive and not self._exiting):
+            raise EngineDead(self._dead_message())
         abort = get("abort_request_id")
         if abort is not None:
             self._abort_by_triton_id(abort, sender)
@@ -192,10 +232,11 @@ class TritonLLMModel:
         sender.send(self.pb.InferenceResponse(output_tensors=[], error=err),
                     flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _count_final(self, reason: str) -> None:
+    def _count_final(self, state: RequestState, reason: str) -> None:
         """Counts a finished request and lets the metrics thread publish it before the final response goes
         out (bounded: a stalled metrics call delays a final response by FINAL_METRICS_WAIT_S at most)."""
-        self.metrics.record(finished=reason)
+        self.metrics.record(finished=FinishedRequest(reason, time.perf_counter() - state.arrival,
+                                                     len(state.prompt_ids), state.generated))
         if not self._exiting:
             self.publisher.flush(wait=FINAL_METRICS_WAIT_S)
 
@@ -232,7 +273,7 @@ class TritonLLMModel:
     def _cancel(self, state: RequestState) -> None:
         self.loop.abort(state.rid)
         self._close(state)
-        self._count_final("cancelled")
+        self._count_final(state, "cancelled")
         try:
             state.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:
@@ -244,7 +285,8 @@ class TritonLLMModel:
         if states and not self.loop.alive:   # never leave a client waiting on a dead engine
             for state in states:
                 self._close(state)
-                self._send_error(state.sender, "engine stopped (UNAVAILABLE)", self.pb.TritonError.UNAVAILABLE)
+                self._count_final(state, "error")
+                self._send_error(state.sender, self._dead_message(), self.pb.TritonError.UNAVAILABLE)
             return
         for state in states:
             if not state.done and state.sender.is_cancelled():
@@ -265,16 +307,17 @@ class TritonLLMModel:
                                 ttft=now - state.arrival if first else None,
                                 itl=None if first else now - state.last_token_at)
             state.last_token_at = now
+            state.generated += len(out.new_token_ids)
         if out.error is not None or out.finish_reason == "error":
             self._close(state)
-            self._count_final("error")
+            self._count_final(state, "error")
             self._send_error(state.sender, out.error or "request failed", pb.TritonError.INTERNAL)
             return
         req = state.req
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
         if out.finished:
             self._close(state)
-            self._count_final(out.finish_reason or "stop")
+            self._count_final(state, out.finish_reason or "stop")
         if req.stream:
             arrays = output_arrays(out.new_text, out.new_token_ids, finish_reason=out.finish_reason,
                                    num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
