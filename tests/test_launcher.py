@@ -9,6 +9,8 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 from backend_lib.serving import launcher
 
 FAKE_SERVER = textwrap.dedent("""
@@ -19,7 +21,10 @@ FAKE_SERVER = textwrap.dedent("""
         with open(out, "w") as f:
             f.write(f"{signum} {int(bool(flag) and os.path.exists(flag))}")
         sys.exit(0)
-    if sys.argv[2] == "obey":
+    if sys.argv[2] == "die":   # a model's engine died: the model writes the file the launcher watches
+        with open(os.environ["QWEN3_ENGINE_DEAD"], "a") as f:
+            f.write("model qwen3_x: the engine has died\\n")
+    if sys.argv[2] in ("obey", "die"):
         signal.signal(signal.SIGTERM, on_term)
     else:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a server that cannot finish exiting
@@ -28,7 +33,7 @@ FAKE_SERVER = textwrap.dedent("""
 """)
 
 
-def _supervise_in_thread(tmp_path, mode, kill_after=None):
+def _supervise_in_thread(tmp_path, mode, kill_after=None, exit_on_death=True):
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
     out = tmp_path / "seen"
@@ -37,9 +42,12 @@ def _supervise_in_thread(tmp_path, mode, kill_after=None):
 
     def run():   # supervise installs signal handlers: only the main thread may; run it in a child python
         code = (f"import sys; from backend_lib.serving import launcher; "
-                f"sys.exit(launcher.supervise({cmd!r}, dict(__import__('os').environ), kill_after={kill_after!r}))")
-        result["proc"] = subprocess.Popen([sys.executable, "-c", code], cwd=launcher.Path(launcher.__file__).parents[2])
+                f"sys.exit(launcher.supervise({cmd!r}, dict(__import__('os').environ), kill_after={kill_after!r}, "
+                f"exit_on_death={exit_on_death!r}))")
+        result["proc"] = subprocess.Popen([sys.executable, "-c", code], cwd=launcher.Path(launcher.__file__).parents[2],
+                                          stderr=subprocess.PIPE, text=True)
         result["rc"] = result["proc"].wait(60)
+        result["stderr"] = result["proc"].stderr.read()
 
     t = threading.Thread(target=run)
     t.start()
@@ -92,3 +100,30 @@ def test_without_a_real_server_the_bundled_one_gets_the_backend_directory(monkey
     assert cmd[0].endswith("tritonserver") and cmd[1].startswith("--backend-directory=")
     assert cmd[2:] == ["--model-repository", "m"]
     assert str(launcher.Path(sys.prefix) / "bin") == env["PATH"].split(os.pathsep)[0]
+
+
+def test_an_engine_death_stops_the_server_and_exits_3_for_the_supervisor_to_restart(tmp_path):
+    t, result, out = _supervise_in_thread(tmp_path, "die")
+    t.join(30)
+    assert result["rc"] == launcher.ENGINE_DEAD_EXIT == 3
+    assert out.read_text() == f"{int(signal.SIGTERM)} 1"   # drained as on SIGTERM: the stop flag came first
+    assert "model qwen3_x: the engine has died; stopping the server (exit status 3)" in result["stderr"]
+
+
+def test_with_exit_on_engine_death_off_the_server_keeps_running(tmp_path):
+    t, result, out = _supervise_in_thread(tmp_path, "die", exit_on_death=False)
+    time.sleep(3 * launcher.WATCH_PERIOD_S)
+    assert not out.exists() and result["proc"].poll() is None
+    result["proc"].send_signal(signal.SIGTERM)
+    t.join(30)
+    assert result["rc"] == 0 and out.read_text() == f"{int(signal.SIGTERM)} 1"
+
+
+def test_exit_on_engine_death_is_true_or_false(monkeypatch):
+    monkeypatch.delenv(launcher.EXIT_ON_ENGINE_DEATH_ENV, raising=False)
+    assert launcher.exit_on_engine_death() is True
+    monkeypatch.setenv(launcher.EXIT_ON_ENGINE_DEATH_ENV, "false")
+    assert launcher.exit_on_engine_death() is False
+    monkeypatch.setenv(launcher.EXIT_ON_ENGINE_DEATH_ENV, "sometimes")
+    with pytest.raises(SystemExit, match="QWEN3_EXIT_ON_ENGINE_DEATH='sometimes' is not true or false"):
+        launcher.exit_on_engine_death()
