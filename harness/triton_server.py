@@ -44,12 +44,30 @@ def make_repository(dest: Path, models: dict[str, dict[str, str]]) -> Path:
 
 
 class TritonServer:
-    def __init__(self, repository: Path, log_path: Path, env: dict | None = None, extra_args=()):
+    def __init__(self, repository: Path, log_path: Path, env: dict | None = None, extra_args=(),
+                 system_server: bool = False):
+        """system_server: run as in the container image, where the venv's `tritonserver` (the launcher) finds
+        a real server binary on PATH and passes its arguments and environment through unchanged: the
+        nvidia-pytriton binary is put first on PATH, with the library path and backend directory that the
+        image's server has built in."""
         self.repository, self.log_path = repository, log_path
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.env = {**os.environ, **(env or {})}
         self.env["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{self.env.get('PATH', '')}"
         self.extra_args = list(extra_args)
+        if system_server:
+            from backend_lib.serving import launcher
+
+            binary, _, libs = launcher.pytriton_paths()
+            bin_dir = log_path.parent / "system-bin"
+            bin_dir.mkdir(exist_ok=True)
+            (bin_dir / "tritonserver").unlink(missing_ok=True)
+            (bin_dir / "tritonserver").symlink_to(binary)
+            self.env["PATH"] = f"{bin_dir}{os.pathsep}{self.env['PATH']}"
+            self.env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), self.env.get("LD_LIBRARY_PATH"))
+                                                          if p)
+            self.env.pop("QWEN3_TRITONSERVER", None)
+            self.extra_args.insert(0, f"--backend-directory={launcher.assemble_backend_dir()}")
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -66,7 +84,10 @@ class TritonServer:
         cmd = [str(Path(sys.prefix) / "bin" / "tritonserver"), "--model-repository", str(self.repository),
                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                f"--metrics-port={self.metrics_port}", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
-               "--metrics-address=127.0.0.1", "--log-verbose=0", *self.extra_args]
+               "--metrics-address=127.0.0.1"]
+        if not any(a.startswith("--log-verbose") for a in self.extra_args):
+            cmd.append("--log-verbose=0")
+        cmd += self.extra_args
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from helpers import SERVER_ENGINE, make_engine  # noqa: E402
+from helpers import HUB_ID, HUB_REVISION, SERVER_ENGINE, make_engine, make_hub_cache  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -56,17 +56,21 @@ def a8w8_engine(a8w8_ckpt):
 
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
-    """The real tritonserver serving every model of model_repository/ on the tiny test checkpoints."""
+    """The real tritonserver serving every model of model_repository/ on the tiny test checkpoints. qwen3_tq and
+    the tokenizer model name the bf16 one by Hugging Face id (main, and pinned to its revision), resolved in
+    an offline Hub cache in the hub's own layout."""
     from harness.triton_server import TritonServer, make_repository
 
     root = tmp_path_factory.mktemp("triton")
+    make_hub_cache(root / "hub", HUB_ID, bf16_ckpt, HUB_REVISION)
     repo = make_repository(root / "models", {
         "qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt)},
-        "qwen3_tq": {**SERVER_ENGINE, "checkpoint": str(bf16_ckpt)},
-        "qwen3_tokenizer": {"checkpoint": str(bf16_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]},
+        "qwen3_tq": {**SERVER_ENGINE, "checkpoint": HUB_ID},
+        "qwen3_tokenizer": {"checkpoint": f"{HUB_ID}@{HUB_REVISION}", "max_model_len": SERVER_ENGINE["max_model_len"]},
         "qwen3_a8w8_ensemble": {},
         "qwen3_tq_ensemble": {},
     })
-    server = TritonServer(repo, root / "tritonserver.log").start()
+    server = TritonServer(repo, root / "tritonserver.log",
+                          env={"HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1"}).start()
     yield server
     server.stop()

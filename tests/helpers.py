@@ -25,6 +25,8 @@ CONVERSATIONS = [
      {"role": "assistant", "content": "<think>\nok\n</think>\n\nIt prints 1."}, {"role": "user", "content": "why"}],
 ]
 
+HUB_ID = "test-org/qwen3-tiny-bf16"        # the `triton` server's qwen3_tq and tokenizer checkpoints (conftest)
+HUB_REVISION = "5" * 40
 SERVER_ENGINE = {"page_size": "16", "kv_cache_memory": "64MiB", "max_model_len": "1024", "max_num_seqs": "16",
                  "max_num_batched_tokens": "64", "dtype": "bfloat16"}
 

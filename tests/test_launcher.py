@@ -100,6 +100,11 @@ def test_without_a_real_server_the_bundled_one_gets_the_backend_directory(monkey
     assert cmd[0].endswith("tritonserver") and cmd[1].startswith("--backend-directory=")
     assert cmd[2:] == ["--model-repository", "m"]
     assert str(launcher.Path(sys.prefix) / "bin") == env["PATH"].split(os.pathsep)[0]
+    # the stub runs this Python's own libpython (a shared build), not the system's of the same minor version
+    import sysconfig
+
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        assert env["LD_LIBRARY_PATH"].split(os.pathsep)[1] == sysconfig.get_config_var("LIBDIR")
 
 
 def test_an_engine_death_stops_the_server_and_exits_3_for_the_supervisor_to_restart(tmp_path):

@@ -15,6 +15,7 @@ import json
 import os
 import queue
 import random
+import re
 import shutil
 import statistics
 import threading
@@ -389,7 +390,11 @@ def test_sigterm_with_streams_in_flight_ends_every_stream_and_exits_promptly(tmp
     stream gets its final response (finish_reason 'abort') at once, the server exits inside 10 s and leaves
     no stub process behind. Half the clients close their stream after the final response, as they should;
     the other half keep it open, which keeps Triton 2.51 from unloading until its exit timeout (5 s by the
-    project's `tritonserver`, which kills a server still running 3 s later: 2.51 cannot finish exiting then)."""
+    project's `tritonserver`, which kills a server still running 3 s later: 2.51 cannot finish exiting then).
+
+    Run as in the container image: the launcher finds a real server binary on PATH and passes everything
+    through (system_server), with the log flags a deployment uses (a log file, ISO8601, verbose), which
+    the models' own log lines must follow."""
     from harness.triton_server import TritonServer, make_repository
 
     root = tmp_path_factory.mktemp("shutdown")
@@ -397,7 +402,9 @@ def test_sigterm_with_streams_in_flight_ends_every_stream_and_exits_promptly(tmp
         "qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt)},
         "qwen3_tq": {**SERVER_ENGINE, "checkpoint": str(bf16_ckpt)},
         "qwen3_tokenizer": {"checkpoint": str(bf16_ckpt)}})
-    srv = TritonServer(repo, root / "tritonserver.log").start()
+    log_file = root / "triton-log-file.txt"
+    srv = TritonServer(repo, root / "tritonserver.log", system_server=True,
+                       extra_args=[f"--log-file={log_file}", "--log-format=ISO8601", "--log-verbose=1"]).start()
     try:
         ends: queue.Queue = queue.Queue()
         clients = []
@@ -437,6 +444,13 @@ def test_sigterm_with_streams_in_flight_ends_every_stream_and_exits_promptly(tmp
         assert not left, f"stub processes left behind: {left}"
         for client, _ in clients:
             client.close()
+        # the models' lines are in Triton's log file, in its ISO8601 format, verbose ones included
+        lines = log_file.read_text(errors="replace").splitlines()
+        iso = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ [IWEV] +\d+ \S+:\d+\] "
+        for text in ("qwen3_a8w8: ready", "qwen3_tq: engine configuration EngineConfig(",
+                     "qwen3_a8w8: the server is stopping; aborting the requests in flight"):
+            assert any(re.match(iso, line) and text in line for line in lines), (text, lines[-40:])
+        assert "qwen3_a8w8: ready" not in srv.log_path.read_text(errors="replace")   # not on stdout
     finally:
         srv.stop()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import threading
 import time
 import urllib.request
@@ -13,7 +14,7 @@ import tritonclient.grpc as grpcclient
 from client.http_stream import generate_stream
 from client.stream import stream_generate
 from client.triton_inputs import build_inputs
-from helpers import GREEDY, PROMPT, collect, offline_generate
+from helpers import GREEDY, HUB_ID, HUB_REVISION, PROMPT, collect, offline_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -23,7 +24,7 @@ def test_models_are_ready(triton):
 
 
 @pytest.mark.parametrize("model, ckpt_fixture, kv_cache", [("qwen3_a8w8", "a8w8_ckpt", "bf16"),
-                                                           ("qwen3_tq", "bf16_ckpt", "tq")])
+                                                           ("qwen3_tq", "bf16_ckpt", "tq")])   # tq: by hub id
 def test_streaming_gives_one_response_per_token_equal_to_offline_cli(triton, request, model, ckpt_fixture, kv_cache):
     ckpt = request.getfixturevalue(ckpt_fixture)
     expected = offline_generate(ckpt, PROMPT, 16, kv_cache=kv_cache)
@@ -120,23 +121,59 @@ def test_bad_request_gets_an_error_naming_the_field_and_the_model_keeps_serving(
     assert len(stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPT, max_tokens=3, **GREEDY)["output_ids"]) == 3
 
 
-def test_metric_counts_are_exact_for_a_known_request(triton):
+VLLM_BACKEND_SET = {   # triton-inference-server/vllm_backend src/utils/metrics.py, as prometheus-client names families
+    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram", "vllm:request_params_n": "histogram",
+}
+
+
+def test_metrics_page_has_the_vllm_backend_set_with_exact_counts_for_a_known_request(triton):
     ids = [9707, 11, 1879, 0, 2585, 525, 498]   # 7 prompt tokens
     m = "qwen3_a8w8"
-    before = {k: triton.metric(k, m) for k in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                                               "vllm:time_to_first_token_seconds_count",
-                                               "vllm:inter_token_latency_seconds_count")}
+    names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+             "vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count",
+             "vllm:e2e_request_latency_seconds_count", "vllm:request_prompt_tokens_sum",
+             "vllm:request_generation_tokens_sum", "vllm:request_params_n_count")
+    before = {k: triton.metric(k, m) for k in names}
     length_before = triton.finished_total(m, "length")
     res = stream_generate(triton.grpc_url, m, input_ids=ids, max_tokens=9, **GREEDY)
     assert len(res["output_ids"]) == 9 and res["finish_reason"] == "length"
     time.sleep(0.3)
-    after = {k: triton.metric(k, m) for k in before}
-    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 7
-    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 9
-    assert after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 1
-    assert after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"] == 8
+    delta = {k: triton.metric(k, m) - before[k] for k in names}
+    assert delta == {"vllm:prompt_tokens_total": 7, "vllm:generation_tokens_total": 9,
+                     "vllm:time_to_first_token_seconds_count": 1, "vllm:inter_token_latency_seconds_count": 8,
+                     "vllm:time_per_output_token_seconds_count": 8, "vllm:e2e_request_latency_seconds_count": 1,
+                     "vllm:request_prompt_tokens_sum": 7, "vllm:request_generation_tokens_sum": 9,
+                     "vllm:request_params_n_count": 1}
     assert triton.finished_total(m, "length") - length_before == 1
     assert triton.metric("vllm:kv_cache_pages_total", m) > 0
+    families = triton.metric_families()          # the whole page parses (prometheus-client's parser)
+    for name, kind in VLLM_BACKEND_SET.items():
+        assert families[name].type == kind, name
+        assert {s.labels.get("model") for s in families[name].samples} >= {"qwen3_a8w8", "qwen3_tq"}, name
+    e2e = [s for s in families["vllm:e2e_request_latency_seconds"].samples
+           if s.name.endswith("_bucket") and s.labels["model"] == m]
+    assert e2e[-1].labels["le"] == "+Inf" and [float(s.labels["le"]) for s in e2e[:3]] == [0.3, 0.5, 0.8]
+    reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples
+               if s.labels["model"] == "qwen3_tq"}
+    assert {"stop", "length", "abort", "cancelled", "error"} <= reasons     # listed before any such request
+
+
+def test_hub_ids_load_from_the_hub_cache(triton):
+    log = triton.log_path.read_text(errors="replace")
+    snapshot = f"models--{HUB_ID.replace('/', '--')}/snapshots/{HUB_REVISION}"
+    assert re.search(rf"qwen3_tq: loading \S*{re.escape(snapshot)} on cpu", log)
+    assert re.search(rf"qwen3_tokenizer: tokenizer from \S*{re.escape(snapshot)}", log)
+    # the id serves the same ids as the folder: test_streaming_gives_one_response_per_token_equal_to_offline_cli
+
+
+def test_the_models_log_through_triton_at_its_verbosity(triton):
+    """Model log lines are Triton's (its line format, its --log-verbose: 0 here, so no verbose line)."""
+    log = triton.log_path.read_text(errors="replace")
+    assert re.search(r'^I\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ \S+\.py:\d+\] "?qwen3_a8w8: ready', log, re.M), log[-3000:]
+    assert "qwen3_a8w8: loading" in log and "engine configuration" not in log
 
 
 def test_prefix_cache_through_the_server_reuses_pages_and_keeps_the_ids(triton):

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -77,10 +78,21 @@ def assemble_backend_dir() -> Path:
     return target
 
 
+def python_libdir() -> str | None:
+    """The folder of this Python's shared libpython, when it has one. The stub links libpython3.X.so.1.0 by
+    name, and the loader would otherwise take the system's (say Debian's 3.11.2) under this venv's standard
+    library (say pyenv's 3.11.7), whose C modules then miss symbols (`import ssl` fails in the model)."""
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        return None
+    libdir = sysconfig.get_config_var("LIBDIR")
+    return libdir if libdir and (Path(libdir) / sysconfig.get_config_var("LDLIBRARY")).exists() else None
+
+
 def bundled_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
     binary, _, libs = pytriton_paths()
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (str(libs), python_libdir() or "", env.get("LD_LIBRARY_PATH", "")) if p)
     venv_bin = str(Path(sys.prefix) / "bin")
     env["PATH"] = os.pathsep.join([venv_bin] + [p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin])
     if sys.prefix != sys.base_prefix:

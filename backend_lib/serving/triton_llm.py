@@ -79,6 +79,7 @@ class TritonLLMModel:
         cfg = engine_config_from_args(args)
         self.cfg = cfg
         log.info("%s: loading %s on %s (%s KV cache)", self.name, cfg.checkpoint, cfg.device, cfg.kv_cache)
+        log.debug("%s: engine configuration %s", self.name, cfg)
         # Built in the engine thread: one OpenMP team in the process (see EngineLoop.build).
         self.loop = EngineLoop.build(lambda: LLMEngine(cfg), name=f"{self.name}-engine")
         self.engine = self.loop.engine   # immutable parts only (tokenizer, make_params): see LLMEngine
