@@ -96,9 +96,10 @@ def vllm_bench_command(python: Path, front_url: str, tokenizer: Path, out_dir: P
 
 
 def run_vllm_bench(front_url: str, tokenizer: Path, out_dir: Path, args) -> dict:
-    python = vllm_env.vllm_python()
+    python = Path(args.vllm_python) if args.vllm_python else vllm_env.vllm_python()
     if python is None:
-        raise SystemExit(f"no working vLLM in {vllm_env.VENV} (python -m bench.run --setup-vllm makes it)")
+        raise SystemExit(f"no working vLLM in {vllm_env.VENV} (python -m bench.run --setup-vllm makes it; "
+                         f"or --vllm-python)")
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind,
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)   # the bench venv's own packages only
@@ -141,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--front-url", help="an OpenAI front already running (then also --triton-url, --tokenizer)")
     ap.add_argument("--triton-url", help="Triton gRPC of that stack")
     ap.add_argument("--tokenizer", help="tokenizer folder for vllm bench serve (default: the checkpoint)")
+    ap.add_argument("--vllm-python", help=f"python of a venv with vllm-cpu (default: {vllm_env.VENV}/bin/python)")
     ap.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for the vllm client process")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--skip", default="", help="comma list: vllm,loadgen")
