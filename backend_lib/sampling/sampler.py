@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .structured import apply_mask
@@ -121,7 +122,7 @@ class Sampler:
                 except Exception as exc:
                     out[b] = SampleError(f"sampling: applying penalties failed ({exc})")
                     continue
-                if grammar and not bool(torch.isfinite(processed[b]).any()):
+                if grammar and not np.isfinite(processed[b].numpy()).any():
                     out[b] = SampleError("structured_outputs: no token is allowed here (the grammar is complete "
                                          "but min_tokens, or stop_token_ids, forbid ending)")
         greedy = [b for b, s in enumerate(seqs) if s.params.greedy and out[b] is None]

@@ -26,6 +26,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import RequestError
@@ -210,15 +211,16 @@ class GrammarState:
         return self.matcher.is_stopped()
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_mask(row: torch.Tensor, mask: torch.Tensor) -> None:
-    """In place: logits of tokens whose bit is 0 in `mask` set to -inf (ids past the mask's end too)."""
-    allowed = ((mask.unsqueeze(-1) >> _BITS) & 1).flatten().bool()
-    n = min(row.shape[0], allowed.shape[0])
-    row[:n].masked_fill_(~allowed[:n], float("-inf"))
-    row[n:] = float("-inf")
+    """In place: logits of tokens whose bit is 0 in `mask` set to -inf (ids past the mask's end too).
+    `row` is a contiguous fp32 CPU row (the sampler's). numpy does it in one unpack and one masked store,
+    several times faster than the equivalent torch ops on a 152k vocabulary, and single-threaded, so it
+    never wakes the OpenMP team the model's kernels use."""
+    n = min(row.shape[0], mask.shape[0] * 32)
+    allowed = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little", count=n).view(bool)
+    values = row.numpy()
+    np.putmask(values[:n], ~allowed, -np.inf)
+    values[n:] = -np.inf
 
 
 class GrammarCompiler:
