@@ -18,7 +18,7 @@ import torch
 
 from ..checkpoint import ModelConfig, parse_quantization_config
 from ..config import EngineConfig, fault_every
-from ..device import parse_dtype, resolve_device
+from ..device import parse_dtype, resolve_device, trim_host_memory
 from ..kernels import get_kernels
 from ..kv_cache import BlockManager
 from ..kv_cache.pool import pool_token_capacity
@@ -83,6 +83,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._offline_ids = itertools.count()
         self.stats = EngineStats(pages_total=self.block_manager.num_pages)
+        trim_host_memory()
         log.info("engine ready in %.1fs: max_model_len %d, max_num_seqs %d, %d KV pages of %d", time.time() - t0,
                  self.max_model_len, cfg.max_num_seqs, self.block_manager.num_pages, cfg.page_size)
 
