@@ -121,3 +121,27 @@ def test_forced_tool_grammars_compile_and_accept_only_listed_calls(a8w8_engine):
                          "parallel_tool_calls": False})
     assert accepts(single, CALL) and not accepts(single, CALL + "\n" + noop)
     assert json.loads(CALL.split("\n")[1])["name"] == "get_weather"
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=6),
+                       lambda c: st.lists(c, max_size=3) | st.dictionaries(
+                           st.sampled_from(["type", "function", "name", "parameters", "json_schema", "schema",
+                                            "strict", "description", "x"]), c, max_size=3), max_leaves=10)
+_fields = st.dictionaries(st.sampled_from(["tools", "tool_choice", "parallel_tool_calls", "response_format",
+                                           "structured_outputs", "guided_json", "include_reasoning",
+                                           "chat_template_kwargs"]), _values, max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_fields)
+def test_fuzzed_application_fields_are_a_generation_or_a_400(fields):
+    try:
+        gen = parse_chat({"model": "m", "messages": MSGS, **fields})
+    except APIError as exc:
+        assert exc.status == 400
+        return
+    if gen.tools is not None:
+        gen.tools.grammar()
+        json.dumps(gen.tools.tools)
