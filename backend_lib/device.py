@@ -67,3 +67,17 @@ def parse_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
     if device.type == "cpu" and dtype == torch.float16:
         raise ValueError("dtype: float16 is not supported on the CPU; use bfloat16 or float32")
     return dtype
+
+
+def trim_host_memory() -> None:
+    """Hands the heap's free memory back to the OS (glibc's malloc_trim). Loading frees hundreds of MB of
+    transient buffers (fused and converted weights before packing) that glibc otherwise keeps mapped: on
+    the 0.6B demo checkpoint, ~290 MB of RSS. A no-op where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

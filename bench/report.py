@@ -60,6 +60,19 @@ def _prefix_table(rows: list[dict]) -> list[str]:
     return md + [""]
 
 
+def _memory_table(rows: list[dict]) -> list[str]:
+    mem = [r for r in rows if r["mode"] == "memory"]
+    if not mem:
+        return []
+    md = ["Resident memory after load and the decode runs (MiB; every process of the system):", "",
+          "| system | checkpoint | RSS | peak RSS | anonymous / file-backed (main process) |", "|---|---|---|---|---|"]
+    for r in mem:
+        size = f"{r['checkpoint_mib']:.0f}" if r.get("checkpoint_mib") else "-"
+        md.append(f"| {r['system']} | {size} | {r['rss_mib']:.0f} | {r['peak_rss_mib']:.0f} | "
+                  f"{r['anon_mib']:.0f} / {r['file_mib']:.0f} |")
+    return md + [""]
+
+
 def write_report(rows: list[dict], machine: dict, out: Path) -> None:
     md = [f"Machine: {machine.get('cpu')}, {machine.get('cores')} cores ({', '.join(machine.get('isa', []))}), "
           f"torch {machine.get('torch')}, {machine.get('date')}", ""]
@@ -82,6 +95,7 @@ def write_report(rows: list[dict], machine: dict, out: Path) -> None:
     md += _table("Through tritonserver (gRPC streaming, client load generator) vs the engine in-process:",
                  _decode(rows, "triton"), ANCHOR, header="concurrency")
     md += _prefix_table(rows)
+    md += _memory_table(rows)
     (out / "table.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     try:

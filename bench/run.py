@@ -167,6 +167,18 @@ def main(argv=None) -> int:
     vllm = [str(vpy), "bench/workers/vllm_worker.py", "--max-model-len", "1100"] if vpy else None
     rows: list[dict] = []
 
+    def add_memory(group: str, workers: dict, checkpoints: dict[str, Path]) -> None:
+        """RSS after load and a decode round (peak: the process's high-water mark), beside the checkpoint size."""
+        for name, w in workers.items():
+            if not hasattr(w, "call"):
+                continue
+            mem = w.call(op="memory")
+            ckpt = next((p for key, p in checkpoints.items() if key in name.lower()), None)
+            size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 2**20 if ckpt else None
+            rows.append({"group": group, "system": name, "mode": "memory", "checkpoint_mib": size, **mem})
+            log(f"memory {name}: RSS {mem['rss_mib']:.0f} MiB, peak {mem['peak_rss_mib']:.0f} MiB"
+                + (f" (checkpoint {size:.0f} MiB)" if size else ""))
+
     def add_decode(group: str, results: dict[str, dict], batch: int, prompt_len: int, new_tokens: int, mode="decode"):
         for name, r in results.items():
             rows.append({"group": group, "system": name, "mode": mode, "batch": batch, "prompt_len": prompt_len,
@@ -187,6 +199,7 @@ def main(argv=None) -> int:
         for n in ttft_lens if workers else []:
             for name, t in ttfts(workers, n, repeats).items():
                 rows.append({"group": "main", "system": name, "mode": "ttft", "prompt_len": n, "ttft_s": t})
+        add_memory("main", workers, {"a8w8": ck["a8w8"], "w8a8": ck["a8w8"], "bf16": ck["bf16"]})
     finally:
         for w in workers.values():
             w.close()
@@ -202,6 +215,7 @@ def main(argv=None) -> int:
         try:
             for b in batches:
                 add_decode("variants", decode_rates(workers, b, 128, 128, repeats), b, 128, 128)
+            add_memory("variants", workers, {"a8w8": ck["a8w8"], "bf16": ck["bf16"]})
         finally:
             for w in workers.values():
                 w.close()

@@ -1,4 +1,5 @@
-"""python -m openai_frontend [--triton-url localhost:8001] [--host 127.0.0.1] [--port 9000] [--api-key KEY]"""
+"""python -m openai_frontend [--triton-url localhost:8001] [--host 127.0.0.1] [--port 9000] [--api-key KEY]
+[--reasoning-parser qwen3|none]"""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,8 @@ def main(argv=None) -> int:
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $QWEN3_API_KEY)")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer folder for logprob token strings (default: 'token_id:<id>')")
+    ap.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
+                    help="qwen3: the think block becomes reasoning_content; none: raw text as content")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     tokenizer = None
@@ -27,7 +30,8 @@ def main(argv=None) -> int:
         from backend_lib.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(args.tokenizer)
-    app = create_app(args.triton_url, api_key=args.api_key, tokenizer=tokenizer)
+    app = create_app(args.triton_url, api_key=args.api_key, tokenizer=tokenizer,
+                     reasoning=args.reasoning_parser == "qwen3")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -74,7 +74,7 @@ def _api_key_check(api_key: str | None):
     return check
 
 
-def _v1_routes(gateway: TritonGateway, names: TokenNames, api_key: str | None) -> APIRouter:
+def _v1_routes(gateway: TritonGateway, names: TokenNames, api_key: str | None, reasoning: bool) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
 
     @router.get("/models")
@@ -95,7 +95,10 @@ def _v1_routes(gateway: TritonGateway, names: TokenNames, api_key: str | None) -
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
         gen = parse_chat(await _json_body(request))
-        return await respond(request, gateway, gen, ChatFormat(gen.model, names, gen.include_usage))
+        fmt = ChatFormat(gen.model, names, gen.include_usage, reasoning=reasoning,
+                         thinking=gen.enable_thinking is not False, include_reasoning=gen.include_reasoning,
+                         parse_tools=gen.tools is not None and gen.tools.parse_calls)
+        return await respond(request, gateway, gen, fmt)
 
     return router
 
@@ -120,9 +123,11 @@ def _error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=500)
 
 
-def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, tokenizer=None) -> FastAPI:
+def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, tokenizer=None,
+               reasoning: bool = True) -> FastAPI:
     """The OpenAI-compatible app over the Triton server at `triton_url` (gRPC).
-    tokenizer: a backend_lib Tokenizer for logprob token strings (optional)."""
+    tokenizer: a backend_lib Tokenizer for logprob token strings (optional).
+    reasoning: split Qwen3's think block into reasoning_content (False: the raw text is the content)."""
     gateway = TritonGateway(triton_url)
 
     @asynccontextmanager
@@ -138,5 +143,5 @@ def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, t
         ok = await gateway.healthy()
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
-    app.include_router(_v1_routes(gateway, TokenNames(tokenizer), api_key))
+    app.include_router(_v1_routes(gateway, TokenNames(tokenizer), api_key, reasoning))
     return app

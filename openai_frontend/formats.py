@@ -5,7 +5,9 @@ import json
 import time
 import uuid
 
+from . import tool_calls
 from .gateway import Delta
+from .reasoning import Qwen3ReasoningParser
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -83,12 +85,14 @@ class CompletionFormat(ResponseFormat):
     def first_chunks(self) -> list[dict]:
         return []
 
-    def delta_chunk(self, delta: Delta, with_logprobs: bool) -> dict:
+    def delta_chunks(self, delta: Delta, with_logprobs: bool) -> list[dict]:
+        if not delta.text and not (with_logprobs and delta.logprobs):
+            return []
         lp = self.logprobs(delta.logprobs) if with_logprobs else None
-        return self.chunk({"text": delta.text, "logprobs": lp, "finish_reason": None})
+        return [self.chunk({"text": delta.text, "logprobs": lp, "finish_reason": None})]
 
-    def final_chunk(self, reason: str) -> dict:
-        return self.chunk({"text": "", "logprobs": None, "finish_reason": reason})
+    def final_chunks(self, reason: str) -> list[dict]:
+        return [self.chunk({"text": "", "logprobs": None, "finish_reason": reason})]
 
     def result(self, text: str, entries: list[dict] | None, reason: str, counts: dict) -> dict:
         lp = self.logprobs(entries) if entries is not None else None
@@ -96,8 +100,41 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
+    """chat.completion objects. With `reasoning` on, Qwen3's think block becomes `reasoning_content` (dropped
+    with include_reasoning false); with `parse_tools`, <tool_call> blocks become `tool_calls` and the finish
+    reason `tool_calls`. Streamed, text passes the reasoning parser, then its content the tool-call parser."""
     object_name, chunk_name = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl"
+
+    def __init__(self, model: str, names: TokenNames, include_usage: bool = False, reasoning: bool = False,
+                 thinking: bool = True, include_reasoning: bool = True, parse_tools: bool = False):
+        super().__init__(model, names, include_usage)
+        self.reasoning = Qwen3ReasoningParser(thinking) if reasoning else None
+        self.include_reasoning = include_reasoning
+        self.parse_tools = parse_tools
+        self._reasoning_stream = self.reasoning.stream() if self.reasoning else None
+        self._tool_stream = tool_calls.ToolCallStream() if parse_tools else None
+        self.called = False   # tool calls were returned: the finish reason is tool_calls
+
+    def _parsed(self, text: str, final: bool) -> list[dict]:
+        """Stream deltas ({reasoning_content} / {content} / {tool_calls}) of new text, or of the end."""
+        out = []
+        r, c = (self._reasoning_stream.finish() if final else self._reasoning_stream.feed(text)) \
+            if self._reasoning_stream else ("", text)
+        if r and self.include_reasoning:
+            out.append({"reasoning_content": r})
+        if self._tool_stream is not None:
+            parts = self._tool_stream.feed(c) if c else []
+            if final:
+                parts += self._tool_stream.finish()
+            self.called |= any("tool_calls" in p for p in parts)
+            out += parts
+        elif c:
+            out.append({"content": c})
+        return out
+
+    def reason(self, reason: str) -> str:
+        return "tool_calls" if self.called and reason == "stop" else reason
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         raw = self.names.bytes(token_id)
@@ -112,14 +149,28 @@ class ChatFormat(ResponseFormat):
         return [self.chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})]
 
-    def delta_chunk(self, delta: Delta, with_logprobs: bool) -> dict:
-        lp = self.logprobs(delta.logprobs) if with_logprobs else None
-        return self.chunk({"delta": {"content": delta.text}, "logprobs": lp, "finish_reason": None})
+    def delta_chunks(self, delta: Delta, with_logprobs: bool) -> list[dict]:
+        parts = self._parsed(delta.text, False) if delta.text else []
+        if with_logprobs and delta.logprobs:   # the token's logprobs ride on its first part
+            parts = parts or [{"content": ""}]
+            first = self.chunk({"delta": parts[0], "logprobs": self.logprobs(delta.logprobs), "finish_reason": None})
+            return [first] + [self.chunk({"delta": p, "logprobs": None, "finish_reason": None}) for p in parts[1:]]
+        return [self.chunk({"delta": p, "logprobs": None, "finish_reason": None}) for p in parts]
 
-    def final_chunk(self, reason: str) -> dict:
-        return self.chunk({"delta": {}, "logprobs": None, "finish_reason": reason})
+    def final_chunks(self, reason: str) -> list[dict]:
+        tail = [self.chunk({"delta": p, "logprobs": None, "finish_reason": None}) for p in self._parsed("", True)]
+        return tail + [self.chunk({"delta": {}, "logprobs": None, "finish_reason": self.reason(reason)})]
 
     def result(self, text: str, entries: list[dict] | None, reason: str, counts: dict) -> dict:
         lp = self.logprobs(entries) if entries is not None else None
-        message = {"role": "assistant", "content": text, "refusal": None}
-        return self.whole({"message": message, "logprobs": lp, "finish_reason": reason}, counts)
+        reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
+        message = {"role": "assistant", "content": content, "refusal": None}
+        if self.reasoning and self.include_reasoning:
+            message["reasoning_content"] = reasoning
+        if self.parse_tools and content:
+            content, calls = tool_calls.parse(content)
+            if calls:
+                self.called = True
+                message["content"] = content
+                message["tool_calls"] = [c.to_openai() for c in calls]
+        return self.whole({"message": message, "logprobs": lp, "finish_reason": self.reason(reason)}, counts)

@@ -263,12 +263,15 @@ class TritonGateway:
         if not await self._llm(name):
             raise model_not_found(name)
 
-    async def chat_input_ids(self, messages: list[dict], enable_thinking: bool | None) -> list[int]:
-        """Prompt ids of a conversation, from the tokenizer model's chat template."""
+    async def chat_input_ids(self, messages: list[dict], enable_thinking: bool | None,
+                             tools: list[dict] | None = None) -> list[int]:
+        """Prompt ids of a conversation (and its tools), from the tokenizer model's chat template."""
         tensors = [self._batch1("messages", json.dumps(messages, ensure_ascii=False).encode(), "BYTES"),
                    self._batch1("add_generation_prompt", True, "BOOL")]
         if enable_thinking is not None:
             tensors.append(self._batch1("enable_thinking", enable_thinking, "BOOL"))
+        if tools:
+            tensors.append(self._batch1("tools", json.dumps(tools, ensure_ascii=False).encode(), "BYTES"))
         try:
             result = await self.client.infer(TOKENIZER_MODEL, tensors, client_timeout=UNARY_TIMEOUT_S)
         except InferenceServerException as exc:

@@ -114,13 +114,14 @@ async def _events(gen: Generation, fmt: ResponseFormat, deltas):
     try:
         async for delta in deltas:
             tally.add(delta)
-            if delta.text or (gen.logprobs is not None and delta.logprobs):
-                yield sse(fmt.delta_chunk(delta, gen.logprobs is not None))
+            for chunk in fmt.delta_chunks(delta, gen.logprobs is not None):
+                yield sse(chunk)
     except APIError as exc:   # after the headers went out, an error is an event
         yield sse(exc.body())
         yield SSE_DONE
         return
-    yield sse(fmt.final_chunk(tally.reason))
+    for chunk in fmt.final_chunks(tally.reason):
+        yield sse(chunk)
     if gen.include_usage:
         yield sse(fmt.usage_chunk(tally.usage))
     yield SSE_DONE
@@ -139,7 +140,8 @@ async def respond(request: Request, gateway: TritonGateway, gen: Generation, fmt
     await gateway.require_llm(gen.model)
     input_ids = None
     if gen.messages is not None:
-        input_ids = await until_disconnect(request, gateway.chat_input_ids(gen.messages, gen.enable_thinking),
+        tools = gen.tools.tools if gen.tools is not None else None
+        input_ids = await until_disconnect(request, gateway.chat_input_ids(gen.messages, gen.enable_thinking, tools),
                                            cancel=False)
     stream = gateway.stream(gen.model, gen.triton_inputs(input_ids))
     try:

@@ -11,8 +11,10 @@ import json
 from dataclasses import dataclass, field
 
 from backend_lib.sampling.params import INT32_MAX, NEUTRAL_KEYS, RequestError, SamplingLimits, check_number
+from backend_lib.sampling.structured import GUIDED_ALIASES, StructuredSpec
 from client.triton_inputs import build_inputs
 from .errors import bad_request
+from .tools import ToolRequest, parse_tools
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_LOGPROBS = SamplingLimits().max_logprobs   # the LLM models' limit, checked here to name top_logprobs
@@ -31,6 +33,8 @@ class Generation:
     sampling: dict = field(default_factory=dict)  # Triton sampling_parameters JSON
     stop: list[str] | None = None
     logprobs: int | None = None          # top-N alternatives per token; None: no logprobs
+    tools: ToolRequest | None = None     # chat: tools for the template, and whether calls are parsed
+    include_reasoning: bool = True       # chat: vLLM's include_reasoning (False drops reasoning_content)
 
     def triton_inputs(self, input_ids: list[int] | None = None) -> list:
         """Input tensors of the streaming LLM request (chat passes the tokenizer model's ids)."""
@@ -164,12 +168,102 @@ def _sampling(gen: Generation, body: dict, max_tokens_names: tuple[str, ...]) ->
     gen.stop = _stop(body)
 
 
-def _common(body, max_tokens_names: tuple[str, ...]) -> Generation:
+def _response_format(body: dict) -> dict | None:
+    """OpenAI's response_format as a structured_outputs constraint (None: free text)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad_request("response_format.type must be text, json_object or json_schema", "response_format")
+    unknown = sorted(set(rf) - {"type", "json_schema"})
+    if unknown:
+        raise bad_request(f"response_format: unknown field(s) {', '.join(unknown)}", "response_format")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return {"json_object": True}
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("name", ""), str) or set(js) - {
+            "name", "description", "schema", "strict"}:
+        raise bad_request("response_format.json_schema must be {name, description, schema, strict}",
+                          "response_format")
+    schema = js.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be a JSON schema object", "response_format")
+    return {"json": schema}
+
+
+def _structured(gen: Generation, body: dict, forced: str | None = None) -> None:
+    """response_format, vLLM's structured_outputs and guided_* keys, and a tool grammar (`forced`), into the
+    one structured_outputs constraint the engine compiles (its errors name the field)."""
+    so = body.get("structured_outputs")
+    guided = {k: body[k] for k in (*GUIDED_ALIASES, "guided_decoding_backend", "guided_whitespace_pattern")
+              if body.get(k) is not None}
+    constraint = _response_format(body)
+    if forced is not None:
+        if constraint is not None:
+            raise bad_request("response_format cannot be combined with tool_choice required or a named function",
+                              "response_format")
+        constraint = {"grammar": forced}
+    if constraint is None:
+        if so is not None:
+            gen.sampling["structured_outputs"] = so
+        gen.sampling.update(guided)
+        return
+    if guided and any(k in GUIDED_ALIASES for k in guided):
+        raise bad_request(f"{next(iter(guided))}: one constraint per request (response_format or tools given)",
+                          next(iter(guided)))
+    options = {}
+    if so is not None:   # only options (disable_any_whitespace, whitespace_pattern) may come with it
+        try:
+            opts = StructuredSpec.options_only(so, "structured_outputs")
+        except RequestError as exc:
+            raise bad_request(str(exc), "structured_outputs") from None
+        options = {"disable_any_whitespace": opts["compact"], "whitespace_pattern": opts["whitespace"]}
+        if "grammar" in constraint and (opts["compact"] or opts["whitespace"]):
+            raise bad_request("structured_outputs: whitespace options do not apply to tool calls",
+                              "structured_outputs")
+    gen.sampling["structured_outputs"] = {**constraint, **{k: v for k, v in options.items() if v}}
+
+
+# Every field a request may carry; anything else is a 400 naming it (nothing silently ignored). Fields we
+# do not implement are in NEUTRAL_KEYS / FRONT_NEUTRAL (accepted only with their neutral value).
+_METADATA = ("user", "metadata", "safety_identifier", "prompt_cache_key", "request_id")   # identify, do nothing
+_SHARED_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                  "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                  "ignore_eos", "cache_salt", "stop", "stop_token_ids", "logprobs", "response_format",
+                  "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern",
+                  "skip_special_tokens", *GUIDED_ALIASES, *_METADATA, *NEUTRAL_KEYS}
+COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "suffix", "logit_bias"}
+CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+                                "tools", "tool_choice", "parallel_tool_calls", "include_reasoning", "logit_bias",
+                                "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                                "store", "service_tier", "modalities", "n"}
+CHAT_NEUTRAL = {"add_generation_prompt": (True,), "continue_final_message": (False,),
+                "add_special_tokens": (False,), "store": (False,), "service_tier": ("auto", "default"),
+                "modalities": (["text"],)}
+
+
+def _known_fields(body: dict, known: set[str]) -> None:
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise bad_request(f"{unknown[0]}: unknown or unsupported field", unknown[0])
+    for name in _METADATA:
+        v = body.get(name)
+        if v is not None and not isinstance(v, (str, dict)):
+            raise bad_request(f"{name} must be a string", name)
+
+
+def _common(body, max_tokens_names: tuple[str, ...], known: set[str]) -> Generation:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    _known_fields(body, known)
     gen = Generation(model=_model(body))
     _streaming(gen, body)
     _sampling(gen, body, max_tokens_names)
+    skip = _boolean(body, "skip_special_tokens")
+    if skip is not None:
+        gen.sampling["skip_special_tokens"] = skip
     return gen
 
 
@@ -206,9 +300,10 @@ def _logprobs(body: dict, name: str) -> int | None:
 
 
 def parse_completion(body) -> Generation:
-    gen = _common(body, ("max_tokens",))
+    gen = _common(body, ("max_tokens",), COMPLETION_FIELDS)
     _prompt(gen, body)
     gen.logprobs = _logprobs(body, "logprobs")
+    _structured(gen, body)
     return gen
 
 
@@ -240,8 +335,21 @@ def _messages(body: dict) -> list[dict]:
         if role not in ROLES:
             raise bad_request(f"messages[{i}].role: {m.get('role')!r} is not one of "
                               f"{', '.join(ROLES + ('developer',))}", "messages")
-        out.append({"role": role, "content": _content(m.get("content"), f"messages[{i}]")})
+        unknown = sorted(set(m) - MESSAGE_FIELDS)
+        if unknown:
+            raise bad_request(f"messages[{i}].{unknown[0]}: unknown field", "messages")
+        msg = {"role": role, "content": _content(m.get("content"), f"messages[{i}]")}
+        for key in ("name", "tool_call_id", "reasoning_content"):   # checked by the tokenizer model
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        if m.get("tool_calls"):
+            msg["tool_calls"] = m["tool_calls"]
+        out.append(msg)
     return out
+
+
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal",
+                  "reasoning"}
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -259,13 +367,22 @@ def _enable_thinking(body: dict) -> bool | None:
         return None
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    unknown = sorted(set(kwargs) - {"enable_thinking"})
+    if unknown:
+        raise bad_request(f"chat_template_kwargs.{unknown[0]}: not supported (only enable_thinking)",
+                          "chat_template_kwargs")
     return _boolean(kwargs, "enable_thinking")
 
 
 def parse_chat(body) -> Generation:
-    gen = _common(body, ("max_tokens", "max_completion_tokens"))
+    gen = _common(body, ("max_tokens", "max_completion_tokens"), CHAT_FIELDS)
+    for name, allowed in CHAT_NEUTRAL.items():
+        _neutral_only(body, name, allowed)
     gen.messages = _messages(body)
     gen.logprobs = _chat_logprobs(body)
     gen.enable_thinking = _enable_thinking(body)
-    _neutral_only(body, "tools", ([],), "(tool calling) is not supported")
+    gen.tools = parse_tools(body)
+    include = _boolean(body, "include_reasoning")
+    gen.include_reasoning = include is not False
+    _structured(gen, body, gen.tools.grammar() if gen.tools is not None else None)
     return gen

@@ -156,3 +156,39 @@ def test_cancellation_through_the_ensemble_stops_the_stream_not_a_running_llm_st
     triton.wait_until(lambda: triton.metric("vllm:kv_cache_pages_used", m) == 0, 5)
     assert triton.metric("vllm:kv_cache_pages_used", m) == 0
     assert len(stream_generate(triton.grpc_url, "qwen3_tq_ensemble", "hi", max_tokens=3, **GREEDY)["output_ids"]) == 3
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def test_tokenizer_model_renders_tools_as_transformers_does(triton, bf16_ckpt):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(bf16_ckpt))
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": '{"temp": 21}'}]
+    theirs = hf.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+    ours = tokenizer_model(triton.grpc_url, messages=json.dumps(msgs), tools=json.dumps(TOOLS))
+    assert ours == theirs
+    with pytest.raises(Exception, match=r"tools\[0\]"):
+        tokenizer_model(triton.grpc_url, messages=json.dumps(msgs), tools=json.dumps([{"type": "function"}]))
+
+
+@pytest.mark.parametrize("model", ["qwen3_a8w8_ensemble", "qwen3_tq"])
+def test_structured_outputs_through_triton_inputs(triton, model):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    sp = {"temperature": 1.0, "seed": 3, "structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+    r = stream_generate(triton.grpc_url, model, PROMPTS["chinese"], max_tokens=30, sampling_parameters=sp)
+    assert 0 <= json.loads(r["text"])["n"] <= 99
+    r = stream_generate(triton.grpc_url, model, PROMPTS["chinese"], max_tokens=30,
+                        sampling_parameters={"temperature": 0, "guided_choice": ["left", "right"]})
+    assert r["text"] in ("left", "right")
+    bad = collect(triton.grpc_url, model, prompt=PROMPTS["chinese"], max_tokens=4,
+                  sampling_parameters={"structured_outputs": {"json": {"type": "strin"}}})
+    assert bad[0][0] == "ERROR" and "structured_outputs.json" in bad[0][1]

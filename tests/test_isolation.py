@@ -87,6 +87,7 @@ def test_sampler_isolates_rows():
             self.params, self.prompt_ids, self.output_ids = params, [1], []
             self.min_tokens_blocked_ids = [0]
             self.generator = torch.Generator().manual_seed(0)
+            self.grammar = None
 
     def p(**kw):
         return SamplingParams(**kw).validate(SamplingLimits(), 8)

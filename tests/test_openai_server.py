@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -203,10 +204,18 @@ def test_chat_sampled_with_a_seed_and_enable_thinking_reaches_the_template(trito
     kw = dict(model="qwen3_a8w8", messages=MESSAGES, max_tokens=10, temperature=0.8, seed=7,
               extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": True}})
     whole = client.chat.completions.create(**kw)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
-                       if c.choices)
-    assert whole.choices[0].message.content == streamed == expected["text"]
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    # thinking on and no </think> in 10 random tokens: all of it is reasoning (vLLM's qwen3 parser)
+    assert whole.choices[0].message.content is None and whole.choices[0].message.reasoning_content == expected["text"]
+    assert "".join(_delta_text(c) for c in chunks) == expected["text"]
+    assert all(not c.choices[0].delta.content for c in chunks)
     assert whole.usage.prompt_tokens == len(ids)
+
+
+def _delta_text(chunk) -> str:
+    """A chat chunk's reasoning and content text together."""
+    d = chunk.choices[0].delta
+    return (getattr(d, "reasoning_content", None) or "") + (d.content or "")
 
 
 def test_chat_logprobs(client):
@@ -457,7 +466,7 @@ def _greedy_stream(client, kind: str, model: str) -> tuple[str, int]:
     if kind == "chat":
         chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=48, stream=True,
                                                      stream_options={"include_usage": True}, **GREEDY))
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        text = "".join(_delta_text(c) for c in chunks if c.choices)
     else:
         chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=48, stream=True,
                                                 stream_options={"include_usage": True}, **GREEDY))
@@ -525,3 +534,148 @@ def test_cache_salt_reaches_the_prefix_cache(triton, client):
     assert hits() > h0
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.completions.create(**kw, extra_body={"cache_salt": 5})
+
+
+# ----- applications: structured output, tool calls, reasoning (issue 14) ---------------------------------
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}   # random weights: no endless indentation
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3,
+                                                "items": {"type": "object", "additionalProperties": False,
+                                                          "properties": {"sku": {"enum": ["a1", "b2"]},
+                                                                         "qty": {"type": "integer", "minimum": 1,
+                                                                                 "maximum": 9}},
+                                                          "required": ["sku", "qty"]}},
+                                      "note": {"type": "string", "maxLength": 6}},
+     "required": ["items", "note"], "additionalProperties": False},
+    {"type": "object", "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1},
+                                      "flag": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
+     "required": ["ratio", "flag", "level"], "additionalProperties": False},
+]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_json_schema_response_format_validates(client, schema):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
+    for seed in (1, 2):
+        res = client.chat.completions.create(model="qwen3_a8w8", messages=MESSAGES, max_tokens=120, temperature=1.0,
+                                             seed=seed, response_format=fmt, extra_body={**NO_THINK, **COMPACT})
+        assert res.choices[0].finish_reason == "stop", res
+        jsonschema.validate(json.loads(res.choices[0].message.content), schema)
+    stream = client.chat.completions.create(model="qwen3_tq", messages=MESSAGES, max_tokens=120, temperature=0,
+                                            response_format=fmt, stream=True, extra_body={**NO_THINK, **COMPACT})
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)), schema)
+
+
+def test_completions_regex_choice_and_json_object(client):
+    r = client.completions.create(model="qwen3_a8w8", prompt=PROMPT, max_tokens=30, temperature=1.0, seed=3,
+                                  extra_body={"structured_outputs": {"regex": r"[A-Z][a-z]{2,5} [0-9]{2}"}})
+    assert re.fullmatch(r"[A-Z][a-z]{2,5} [0-9]{2}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="qwen3_tq", prompt=PROMPT, max_tokens=30, temperature=1.0, seed=4,
+                                  extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert r.choices[0].text in ("red", "green", "blue")
+    r = client.completions.create(model="qwen3_a8w8", prompt=PROMPT, max_tokens=30, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}, **COMPACT})
+    assert r.choices[0].text.startswith("{")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_choice_yields_a_valid_call(client, choice):
+    import jsonschema
+
+    kw = dict(model="qwen3_a8w8", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=80,
+              temperature=1.0, seed=5, tools=[WEATHER, TIME], tool_choice=choice, extra_body=NO_THINK)
+    res = client.chat.completions.create(**kw)
+    msg = res.choices[0].message
+    assert res.choices[0].finish_reason == "tool_calls" and msg.tool_calls, res
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in msg.tool_calls:
+        assert call.type == "function" and call.id
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    streamed = {}
+    for c in chunks:
+        for tc in c.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += (tc.function.name or "") if tc.function else ""
+            entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert [(e["name"], e["arguments"]) for _, e in sorted(streamed.items())] == \
+        [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_round_trip_renders_calls_and_results_through_the_template(client):
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    res = client.chat.completions.create(model="qwen3_a8w8", messages=history, tools=[WEATHER], max_tokens=4,
+                                         temperature=0, extra_body=NO_THINK)
+    assert res.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert res.usage.prompt_tokens > 60   # the tools block, the call and its result were rendered
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "structured_outputs.json"),
+    ({"extra_body": {"structured_outputs": {"regex": "a(b"}}}, "structured_outputs.regex"),
+    ({"extra_body": {"guided_grammar": "start: nowhere"}}, "guided_grammar"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
+    ({"extra_body": {"reasoning_effort": "high"}}, "reasoning_effort"),
+    ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+    ({"extra_body": {"chat_template_kwargs": {"custom": 1}}}, "chat_template_kwargs"),
+])
+def test_application_fields_that_cannot_be_served_get_400_naming_them(client, fields, param):
+    fields = dict(fields)
+    extra = fields.pop("extra_body", {})
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="qwen3_a8w8", messages=MESSAGES, max_tokens=4, extra_body=extra, **fields)
+    assert err.value.status_code == 400 and param in err.value.message, err.value.message
+
+
+def test_a_schema_that_does_not_compile_never_touches_the_requests_beside_it(triton, client):
+    """Hostile clients (schemas that do not compile, huge or deep ones) beside well-behaved greedy streams."""
+    expected = _greedy_stream(client, "completion", "qwen3_a8w8")
+    deep = {"type": "object", "properties": {"a": {}}}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}}
+    hostile = [{"type": "strin"}, deep, {"type": "object", "properties": {f"k{i}": {"type": "string"}
+                                                                          for i in range(3000)}},
+               {"anyOf": [{"pattern": "(a+)+$" * 50, "type": "string"}]}]
+
+    def bad(schema):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        try:
+            client.chat.completions.create(model="qwen3_a8w8", messages=MESSAGES, max_tokens=8, response_format=fmt,
+                                           extra_body=NO_THINK)
+            return "ok"
+        except openai.BadRequestError as exc:
+            return exc.status_code
+
+    with ThreadPoolExecutor(6) as pool:
+        goods = [pool.submit(_greedy_stream, client, "completion", "qwen3_a8w8") for _ in range(2)]
+        bads = [pool.submit(bad, s) for s in hostile]
+        assert [g.result() for g in goods] == [expected, expected]
+        assert all(b.result() in ("ok", 400) for b in bads)
+    assert bads[0].result() == 400
+    assert triton.model_ready("qwen3_a8w8")

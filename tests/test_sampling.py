@@ -12,6 +12,7 @@ class FakeSeq:
         self.params, self.prompt_ids, self.output_ids = params, list(prompt), list(output)
         self.min_tokens_blocked_ids = [0]
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammar = None
 
 
 def P(**kw):

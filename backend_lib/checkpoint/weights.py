@@ -53,6 +53,13 @@ class WeightStore:
             self._handles[path] = handle
         return handle
 
+    def release(self) -> None:
+        """Closes the open files. A tensor read through a handle is a view of the file's mapping, and the
+        mapping (with every page read so far counted in the process's RSS) lives while the handle or any
+        such view does: the loader copies what it keeps and releases the store as it goes, so the
+        checkpoint is never resident beside the packed weights. Reads reopen a file as needed."""
+        self._handles.clear()
+
     def names(self) -> list[str]:
         return list(self._file_of)
 

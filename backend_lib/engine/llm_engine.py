@@ -18,13 +18,14 @@ import torch
 
 from ..checkpoint import ModelConfig, parse_quantization_config
 from ..config import EngineConfig, fault_every
-from ..device import parse_dtype, resolve_device
+from ..device import parse_dtype, resolve_device, trim_host_memory
 from ..kernels import get_kernels
 from ..kv_cache import BlockManager
 from ..kv_cache.pool import pool_token_capacity
 from ..kv_cache.prefix import root_hash
 from ..sampling.params import RequestError, SamplingParams
 from ..sampling.sampler import SampleError
+from ..sampling.structured import GrammarCompiler
 from ..tokenizer import Tokenizer
 from .messages import EngineStats, Request
 from .model_runner import ModelRunner
@@ -77,9 +78,12 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.end_ids = set(self.tokenizer.end_token_ids) | set(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
+        self.grammar = GrammarCompiler(self.tokenizer.hf.to_str(), mc.vocab_size, sorted(self.end_ids),
+                                       self.tokenizer.think_end_id)
         self._seqs: dict[str, Sequence] = {}
         self._offline_ids = itertools.count()
         self.stats = EngineStats(pages_total=self.block_manager.num_pages)
+        trim_host_memory()
         log.info("engine ready in %.1fs: max_model_len %d, max_num_seqs %d, %d KV pages of %d", time.time() - t0,
                  self.max_model_len, cfg.max_num_seqs, self.block_manager.num_pages, cfg.page_size)
 
@@ -103,7 +107,11 @@ class LLMEngine:
         if params.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}"
                                f"{'' if params.max_tokens is not None else ', the default_max_tokens'})")
-        return Request(request_id, tuple(prompt_ids), params, min(max_tokens, self.max_model_len - len(prompt_ids)))
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar.matcher(params.structured_outputs, self.tokenizer.thinking_open(prompt_ids))
+        return Request(request_id, tuple(prompt_ids), params, min(max_tokens, self.max_model_len - len(prompt_ids)),
+                       grammar)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Validates and admits a request (offline use; EngineLoop validates in submit and admits here)."""
@@ -114,7 +122,7 @@ class LLMEngine:
         if request.request_id in self._seqs:
             raise RequestError(f"request id {request.request_id!r} is already running")
         seq = Sequence(request.request_id, list(request.prompt_ids), request.params, request.max_tokens,
-                       self.end_ids)
+                       self.end_ids, request.grammar)
         if self.block_manager.caching:
             seq.cache_root = root_hash(self.runner.kv_cache.content_key, request.params.cache_salt)
         self._seqs[seq.request_id] = seq

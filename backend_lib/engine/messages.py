@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..sampling.params import SamplingParams
+from ..sampling.structured import GrammarState
 from .outputs import RequestOutput
 
 Callback = Callable[[RequestOutput], None]
@@ -17,6 +18,7 @@ class Request:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     max_tokens: int            # resolved: explicit or default, capped by max_model_len
+    grammar: GrammarState | None = None   # structured output: compiled at validation, owned by the engine after
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,10 @@ class OutputProcessor:
         if tok in seq.stop_ids:  # the sampler blocks these before min_tokens
             reason = "stop"
         else:
+            grammar_done = seq.grammar is not None and seq.grammar.accept(tok)
             delta = state.detokenizer.add(tok)
             text = state.stop.feed(delta) if n_out > seq.params.min_tokens else delta
-            if state.stop.stopped_on is not None:
+            if state.stop.stopped_on is not None or grammar_done:
                 reason = "stop"
         if reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"

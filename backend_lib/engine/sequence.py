@@ -18,7 +18,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                 end_ids: set[int]):
+                 end_ids: set[int], grammar=None):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -34,6 +34,7 @@ class Sequence:
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed % 2**64)
         self.cumulative_logprob = 0.0
+        self.grammar = grammar                 # structured output: a GrammarState, or None
         self.finish_reason: str | None = None
         self.cache_root: bytes | None = None   # prefix caching on: the root of this request's page hashes
         self.page_hashes: list[bytes] = []     # hashes of the first full pages of `tokens` (a chain)

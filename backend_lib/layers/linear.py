@@ -22,7 +22,9 @@ class FloatLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.kernels = kernels
-        self.prepared = kernels.float_prepare(weight)
+        prepared = kernels.float_prepare(weight)
+        # a kernel set that keeps the weight as given must not keep a view of the checkpoint's mapping
+        self.prepared = prepared.clone() if prepared is weight else prepared
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.kernels.float_linear(x, self.prepared, out_dtype)

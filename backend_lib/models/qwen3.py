@@ -82,10 +82,26 @@ class Qwen3ForCausalLM(nn.Module):
         hid, d = cfg.hidden_size, cfg.head_dim
         h, kvh, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
 
-        def dense(name, shape):
-            return store.get(name, shape, FLOAT_DTYPES).to(device=device, dtype=dtype).contiguous()
+        def dense(name, shape, keep=True):
+            """keep: a copy the model holds (a view into the checkpoint would keep its whole mapping resident);
+            otherwise possibly a view, for weights the kernels repack anyway (no transient copy)."""
+            return store.get(name, shape, FLOAT_DTYPES).to(device=device, dtype=dtype, copy=keep).contiguous()
 
-        embed = dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
+        # The head first, while little else is resident: packing it holds the raw weight and its packed form
+        # at once, and with tied embeddings that is the largest tensor of a small model.
+        if store.has("lm_head.weight"):
+            if scheme is not None and scheme.is_quantized("lm_head"):
+                raise ValueError("quantization_config: a quantized lm_head is not supported; add it to 'ignore'")
+            lm_head = FloatLinear(dense("lm_head.weight", (cfg.vocab_size, hid), keep=False), kernels)
+            store.release()
+            embed = dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
+        elif cfg.tie_word_embeddings:
+            lm_head = FloatLinear(dense("model.embed_tokens.weight", (cfg.vocab_size, hid), keep=False), kernels)
+            embed = None   # read from the lm_head's weight, never held twice
+        else:
+            from ..checkpoint import CheckpointError
+            raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
+        store.release()
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
@@ -101,18 +117,10 @@ class Qwen3ForCausalLM(nn.Module):
                                             dense(f"{p}.input_layernorm.weight", (hid,)),
                                             dense(f"{p}.post_attention_layernorm.weight", (hid,)),
                                             cfg.rms_norm_eps, kernels))
+            store.release()   # this layer's pages of the checkpoint leave the process as it goes
             log.info("loading weights: layer %d/%d (%.1fs)", i + 1, cfg.num_layers, time.time() - t0)
         norm = dense("model.norm.weight", (hid,))
-        if store.has("lm_head.weight"):
-            if scheme is not None and scheme.is_quantized("lm_head"):
-                raise ValueError("quantization_config: a quantized lm_head is not supported; add it to 'ignore'")
-            lm_head = FloatLinear(dense("lm_head.weight", (cfg.vocab_size, hid)), kernels)
-        elif cfg.tie_word_embeddings:
-            lm_head = FloatLinear(embed, kernels)
-            embed = None   # read from the lm_head's weight, never held twice
-        else:
-            from ..checkpoint import CheckpointError
-            raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
+        store.release()
         model = cls(cfg, embed, layers, norm, lm_head, max_positions, kernels)
         log.info("loaded %d layers (%s weights, %s compute) in %.1fs", cfg.num_layers,
                  "A8W8" if scheme else "float", dtype, time.time() - t0)

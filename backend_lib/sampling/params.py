@@ -4,9 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-
-class RequestError(ValueError):
-    """A request that cannot be served as asked; the message names the offending field."""
+from .errors import RequestError
+from .structured import STRUCTURED_KEYS, StructuredSpec, spec_from_sampling
 
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by a tiny
@@ -105,6 +104,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     cache_salt: str | None = None          # prefix caching: only requests with the same salt share pages
+    structured_outputs: StructuredSpec | None = None   # parsed from structured_outputs / guided_* keys
 
     @classmethod
     def names(cls) -> set[str]:
@@ -114,10 +114,9 @@ class SamplingParams:
     def from_dict(cls, data: dict, defaults: dict | None = None) -> "SamplingParams":
         """Builds params from a dict of vLLM names; unknown keys, and known vLLM keys with a value other
         than their neutral one, are an error naming them."""
-        data = check_keys(data)
-        merged = {**(defaults or {}), **{k: v for k, v in data.items() if v is not None}}
-        params = cls(**{k: v for k, v in merged.items() if k in cls.names()})
-        return params
+        rest, spec = spec_from_sampling(check_keys(data))
+        merged = {**(defaults or {}), **{k: v for k, v in rest.items() if v is not None}}
+        return cls(**{k: v for k, v in merged.items() if k in cls.names()}, structured_outputs=spec)
 
     @property
     def greedy(self) -> bool:
@@ -170,7 +169,7 @@ def check_keys(data: dict, where: str = "sampling_parameters") -> dict:
     """The keys of `data` that are SamplingParams fields; neutral vLLM keys dropped, others rejected."""
     out = {}
     for key, value in data.items():
-        if key in SamplingParams.names():
+        if key in SamplingParams.names() or key in STRUCTURED_KEYS:
             out[key] = value
         elif key in NEUTRAL_KEYS:
             if value is not None and value not in NEUTRAL_KEYS[key]:

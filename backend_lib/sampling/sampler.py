@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from .structured import apply_mask
 
 
 @dataclass
@@ -76,6 +79,15 @@ def sample_row(row: torch.Tensor, params, generator: torch.Generator) -> int:
 
 
 class Sampler:
+    def __init__(self):
+        self._mask = torch.empty(0, dtype=torch.int32)
+
+    def _mask_buffer(self, vocab: int) -> torch.Tensor:
+        """One bitmask row reused for every constrained row (filled and applied one row at a time)."""
+        if self._mask.numel() != (vocab + 31) // 32:
+            self._mask = torch.empty((vocab + 31) // 32, dtype=torch.int32)
+        return self._mask
+
     def __call__(self, logits: torch.Tensor, seqs: list) -> list[Sample | SampleError]:
         """logits: fp32 [B, V], row b belongs to seqs[b]."""
         logits = logits.float()
@@ -90,9 +102,18 @@ class Sampler:
             p = s.params
             needs_penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
             suppress = len(s.output_ids) < p.min_tokens
-            if out[b] is None and (needs_penalty or suppress):
+            grammar = s.grammar if s.grammar is not None and s.grammar.active else None
+            if out[b] is None and (needs_penalty or suppress or grammar):
                 if not touched:
                     processed, touched = logits.clone(), True
+                try:
+                    if grammar:   # first, as vLLM does: the penalties then see only what the grammar allows
+                        mask = self._mask_buffer(logits.shape[-1])
+                        grammar.fill_mask(mask)
+                        apply_mask(processed[b], mask)
+                except Exception as exc:
+                    out[b] = SampleError(f"structured_outputs: the grammar failed ({exc})")
+                    continue
                 try:
                     if needs_penalty:
                         apply_penalties(processed[b], s.prompt_ids, s.output_ids, p)
@@ -100,6 +121,10 @@ class Sampler:
                         processed[b, list(s.min_tokens_blocked_ids)] = float("-inf")
                 except Exception as exc:
                     out[b] = SampleError(f"sampling: applying penalties failed ({exc})")
+                    continue
+                if grammar and not np.isfinite(processed[b].numpy()).any():
+                    out[b] = SampleError("structured_outputs: no token is allowed here (the grammar is complete "
+                                         "but min_tokens, or stop_token_ids, forbid ending)")
         greedy = [b for b, s in enumerate(seqs) if s.params.greedy and out[b] is None]
         if greedy:
             picks = processed[greedy].argmax(dim=-1).tolist()

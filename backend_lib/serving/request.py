@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from ..sampling.params import RequestError, check_keys
+from ..sampling.structured import STRUCTURED_KEYS
 from .schema import FLAG_INPUTS, LLM_INPUT, SAMPLING_INPUTS
 _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                 "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
@@ -92,6 +93,8 @@ def parse_request(get: Callable[[str], np.ndarray | None], parameters_json: str 
             for k, v in params.items():
                 if k in _FIELD_TYPES:
                     merged[k] = _coerce(k, v, "parameters")
+                elif k in STRUCTURED_KEYS:   # a string here (JSON text for objects and lists)
+                    merged[k] = v
                 elif k == "stop_words":
                     merged["stop"] = v if isinstance(v, list) else [v]
                 elif k in FLAG_INPUTS and isinstance(v, (bool, str)):

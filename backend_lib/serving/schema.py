@@ -98,6 +98,7 @@ LLM_OUTPUTS: tuple[Field, ...] = (
 TOKENIZER_INPUTS: tuple[Field, ...] = (
     _f("text_input", "TYPE_STRING", [1], "prompt", "the prompt text"),
     _f("messages", "TYPE_STRING", [1], "prompt", "chat messages: a JSON list of {role, content, ...}"),
+    _f("tools", "TYPE_STRING", [1], "json", "chat: OpenAI function tools (JSON list) for the chat template"),
     _f("enable_thinking", "TYPE_BOOL", [1], "flag", "Qwen3 chat template: think before answering"),
     _f("add_generation_prompt", "TYPE_BOOL", [1], "flag", "end the rendered chat with the assistant's turn"),
 )

@@ -70,14 +70,38 @@ def parse_messages(raw: str) -> list[dict]:
     return messages
 
 
+def parse_tools(raw: str | None) -> list[dict] | None:
+    """The chat's function tools for the template: a JSON list of {type: function, function: {name, ...}}."""
+    if raw is None or not raw.strip():
+        return None
+    try:
+        tools = json.loads(raw)
+    except json.JSONDecodeError:
+        raise RequestError("tools: malformed JSON") from None
+    if not isinstance(tools, list):
+        raise RequestError("tools: must be a JSON list of function tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or t.get("type") != "function" or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("parameters", {}), dict) or not isinstance(fn.get("description", ""), str):
+            raise RequestError(f"tools[{i}]: must be {{type: 'function', function: {{name: string, "
+                               "description: string, parameters: object}}}}")
+    return tools or None
+
+
 def tokenize_request(tok: Tokenizer, max_model_len: int, text: str | None, messages: str | None,
-                     enable_thinking: bool = True, add_generation_prompt: bool = True) -> list[int]:
+                     enable_thinking: bool = True, add_generation_prompt: bool = True,
+                     tools: str | None = None) -> list[int]:
     if text is not None and messages is not None:
         raise RequestError("text_input and messages: send one of them, not both")
+    if tools is not None and messages is None:
+        raise RequestError("tools: only with messages (a chat)")
     if messages is not None:
+        parsed_tools = parse_tools(tools)
         try:
             prompt = tok.apply_chat_template(parse_messages(messages), add_generation_prompt=add_generation_prompt,
-                                             enable_thinking=enable_thinking)
+                                             enable_thinking=enable_thinking,
+                                             **({"tools": parsed_tools} if parsed_tools else {}))
         except TokenizerError as exc:
             raise RequestError(str(exc)) from None
         field = "messages"
@@ -132,7 +156,7 @@ class TritonTokenizerModel:
             return default if arr is None else bool(scalar(name, arr))
 
         ids = tokenize_request(self.tok, self.max_model_len, text("text_input"), text("messages"),
-                               flag("enable_thinking", True), flag("add_generation_prompt", True))
+                               flag("enable_thinking", True), flag("add_generation_prompt", True), text("tools"))
         arr = np.array(ids, dtype=np.int32)
         return arr[None, :] if self.batched else arr
 

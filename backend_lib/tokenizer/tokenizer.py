@@ -14,6 +14,7 @@ from .detokenizer import IncrementalDetokenizer
 log = logging.getLogger(__name__)
 
 QWEN_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+TURN_START, THINK_END = "<|im_start|>", "</think>"
 DEFAULT_TEMPLATE = Path(__file__).with_name("qwen3_chat_template.jinja")
 
 
@@ -57,6 +58,8 @@ class Tokenizer:
             self.special[i] = bool(tok.special)
         self.token_bytes = self._token_bytes(added)
         self.end_token_ids = tuple(i for i in (self.hf.token_to_id(t) for t in QWEN_END_TOKENS) if i is not None)
+        self.turn_start_id = self.hf.token_to_id(TURN_START)
+        self.think_end_id = self.hf.token_to_id(THINK_END)
 
     def _find_template(self) -> str | None:
         jinja = self.folder / "chat_template.jinja"
@@ -88,6 +91,20 @@ class Tokenizer:
                     pass
             table[i] = self.hf.decode([i], skip_special_tokens=False).encode("utf-8")
         return table
+
+    def thinking_open(self, prompt_ids) -> bool:
+        """Whether the model answers this prompt after a think block of its own: the prompt ends in an open
+        assistant turn (Qwen3's template with thinking on) that holds no `</think>` (thinking off closes an
+        empty block in the prompt). Structured output then starts after the model's `</think>`."""
+        if self.turn_start_id is None or self.think_end_id is None:
+            return False
+        ids = list(prompt_ids)
+        try:
+            last = len(ids) - 1 - ids[::-1].index(self.turn_start_id)
+        except ValueError:
+            return False
+        tail = ids[last + 1:]
+        return self.think_end_id not in tail and self.hf.decode(tail[:1]) == "assistant"
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids

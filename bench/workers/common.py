@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -67,6 +68,37 @@ def _shared_prefix(run, requests, prefix_len, question_len, seed) -> dict:
     return {"ttft_s": ttft, "total_s": time.perf_counter() - t0}
 
 
+def _status_mib(pid: int, key: str) -> float:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            for child in open(f"/proc/{pid}/task/{task}/children").read().split():
+                out += [int(child)] + _descendants(int(child))
+    except OSError:
+        pass
+    return out
+
+
+def memory() -> dict:
+    """Resident memory of this worker and its child processes (vLLM's engine core runs in one): now, at its
+    peak (VmHWM, per process, summed), and the anonymous / file-backed split of this process."""
+    pids = [os.getpid()] + _descendants(os.getpid())
+    return {"rss_mib": sum(_status_mib(p, "VmRSS") for p in pids),
+            "peak_rss_mib": sum(_status_mib(p, "VmHWM") for p in pids),
+            "anon_mib": _status_mib(os.getpid(), "RssAnon"), "file_mib": _status_mib(os.getpid(), "RssFile"),
+            "processes": len(pids)}
+
+
 def serve(run) -> None:
     """run(prompts, max_tokens) generates for a batch; answers commands until stdin closes."""
     run(prompts(1, 16), 2)   # warm-up: kernels, allocator
@@ -83,6 +115,8 @@ def serve(run) -> None:
             out = {"ttft_s": _timed(lambda: run(ps, 1))}
         elif cmd["op"] == "multiturn":
             out = _multiturn(run, **{k: v for k, v in cmd.items() if k != "op"})
+        elif cmd["op"] == "memory":
+            out = memory()
         elif cmd["op"] == "shared_prefix":
             out = _shared_prefix(run, **{k: v for k, v in cmd.items() if k != "op"})
         else:

@@ -1,0 +1,265 @@
+"""Structured output: per-request token masks from a grammar (a JSON schema, any JSON object, a regex,
+a choice among strings, a Lark/EBNF grammar).
+
+The grammar engine is llguidance. Measured on this project's 2-core CPU with the Qwen3 vocabulary
+(151,936 ids) and a nested schema: llguidance ~0.13 ms per token mask, ~1.5 ms to compile;
+xgrammar ~0.10 ms and ~31 ms. Both are fast enough that a mask costs well under 1 % of a decode
+step; llguidance wins on what it brings along (one abi3 wheel with no dependencies, where
+xgrammar pulls transformers, a GPU `triton` package and a TVM runtime into the serving image) and
+it reads Lark grammars natively (GBNF too), which is what `grammar` carries.
+
+Roles:
+- `StructuredSpec` (any thread): the one constraint a request asked for, parsed from vLLM's
+  `structured_outputs` dict (or its older `guided_*` keys) with errors that name the field.
+- `GrammarCompiler` (any thread, locked): the tokenizer view llguidance needs (built once, ~1.5 s,
+  on the first constrained request) and a cache of compiled grammars per spec; `matcher(spec)`
+  compiles (or reuses) and returns a fresh `GrammarState`, or a RequestError naming the field when
+  the grammar does not compile. Admission runs it, so a bad schema is a 400, never a failed step.
+- `GrammarState` (the engine thread, after admission): one request's matcher. It may wait for the
+  end of a think block before it constrains (Qwen3 with thinking on answers after `</think>`, as
+  vLLM's reasoning-aware structured output does), fills its row's mask, and advances on each token.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import RequestError
+
+# vLLM's StructuredOutputsParams: the constraint keys (exactly one per request) and the options we
+# accept only with their neutral value.
+CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+NEUTRAL_OPTIONS = {"disable_fallback": (False, True),   # there is no other backend to fall back to
+                   "disable_additional_properties": (False,), "structural_tag": (None,),
+                   "backend": (None, "auto", "guidance", "llguidance")}
+# Options we implement (JSON constraints): no whitespace between tokens, or a regex for it. By default
+# any whitespace may separate JSON tokens, as in vLLM; a model that keeps emitting whitespace then runs
+# to max_tokens, which `disable_any_whitespace` rules out.
+JSON_OPTIONS = ("disable_any_whitespace", "whitespace_pattern")
+# vLLM's older top-level SamplingParams / OpenAI extra keys, read as structured_outputs.<key>.
+GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar", "guided_json_object": "json_object"}
+# every sampling-parameters key this module reads
+STRUCTURED_KEYS = frozenset({"structured_outputs", "guided_decoding", "guided_decoding_backend",
+                             "guided_whitespace_pattern", *GUIDED_ALIASES})
+MAX_SPEC_BYTES = 1 << 16        # a schema or grammar larger than this is refused before compiling
+CACHE_SIZE = 256                # compiled grammars kept (LRU), keyed by the canonical spec
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """One constraint: `kind` in CONSTRAINT_KEYS, `text` its canonical form (JSON text for json/choice)."""
+    kind: str
+    text: str
+    field: str                  # how the client named it, for error messages
+    compact: bool = False       # disable_any_whitespace
+    whitespace: str | None = None   # whitespace_pattern
+
+    @classmethod
+    def parse(cls, value, field: str = "structured_outputs") -> "StructuredSpec | None":
+        """From a structured_outputs dict (None: no constraint)."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise RequestError(f"{field} must be an object, got a string that is not JSON") from None
+        if not isinstance(value, dict):
+            raise RequestError(f"{field} must be an object with one of {', '.join(CONSTRAINT_KEYS)}")
+        given, options = [], {}
+        for key, v in value.items():
+            if key in CONSTRAINT_KEYS:
+                if v is not None and v is not False:
+                    given.append(key)
+            elif key == "disable_any_whitespace":
+                if not isinstance(v, bool):
+                    raise RequestError(f"{field}.{key} must be a boolean")
+                options["compact"] = v
+            elif key == "whitespace_pattern":
+                if v is not None and (not isinstance(v, str) or not v or len(v) > 256):
+                    raise RequestError(f"{field}.{key} must be a regex string of at most 256 characters")
+                options["whitespace"] = v
+            elif key in NEUTRAL_OPTIONS:
+                if v not in NEUTRAL_OPTIONS[key]:
+                    raise RequestError(f"{field}.{key} = {v!r} is not supported")
+            else:
+                raise RequestError(f"{field}: unknown key {key!r} (one of {', '.join(CONSTRAINT_KEYS)})")
+        if not given:
+            return None
+        if len(given) > 1:
+            raise RequestError(f"{field}: give exactly one of {', '.join(CONSTRAINT_KEYS)}, got {', '.join(given)}")
+        if given[0] not in ("json", "json_object") and any(options.values()):
+            raise RequestError(f"{field}: {', '.join(JSON_OPTIONS)} apply to json and json_object only")
+        return cls.of(given[0], value[given[0]], f"{field}.{given[0]}", **options)
+
+    @classmethod
+    def options_only(cls, value, field: str) -> dict:
+        """The JSON options of a structured_outputs object that carries no constraint (the OpenAI front
+        takes the constraint from response_format)."""
+        if not isinstance(value, dict) or any(value.get(k) not in (None, False) for k in CONSTRAINT_KEYS):
+            raise RequestError(f"{field}: give the constraint in one place (response_format or {field})")
+        spec = cls.parse({**value, "json_object": True}, field)
+        return {"compact": spec.compact, "whitespace": spec.whitespace}
+
+    @classmethod
+    def of(cls, kind: str, v, field: str, compact: bool = False, whitespace: str | None = None) -> "StructuredSpec":
+        if kind == "json_object":
+            if v is not True:
+                raise RequestError(f"{field} must be true")
+            text = '{"type": "object"}'
+        elif kind == "json":
+            if isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except ValueError as exc:
+                    raise RequestError(f"{field}: not valid JSON ({exc})") from None
+            if not isinstance(v, (dict, bool)):
+                raise RequestError(f"{field} must be a JSON schema (an object)")
+            text = json.dumps(v)   # property order kept: the grammar emits properties in this order
+        elif kind == "choice":
+            if isinstance(v, str) and v.lstrip().startswith("["):
+                try:
+                    v = json.loads(v)
+                except ValueError:
+                    pass
+            if (not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v)):
+                raise RequestError(f"{field} must be a non-empty list of strings")
+            text = json.dumps(v)
+        else:   # regex, grammar
+            if not isinstance(v, str) or not v:
+                raise RequestError(f"{field} must be a non-empty string")
+            text = v
+        if len(text.encode()) > MAX_SPEC_BYTES:
+            raise RequestError(f"{field} is larger than {MAX_SPEC_BYTES} bytes")
+        return cls(kind, text, field, compact, whitespace)
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (the cache key)."""
+        return self.kind, self.text, self.compact, self.whitespace
+
+    def grammar(self) -> str:
+        """The llguidance grammar definition (compiled lazily by the matcher)."""
+        import llguidance
+        if self.kind in ("json", "json_object"):
+            defaults = {"whitespace_flexible": not self.compact}
+            if self.whitespace is not None:
+                defaults["whitespace_pattern"] = self.whitespace
+            return llguidance.LLMatcher.grammar_from_json_schema(self.text, defaults=defaults)
+        fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar"}[self.kind]
+        return llguidance.grammar_from(fmt, self.text)
+
+
+def spec_from_sampling(data: dict) -> tuple[dict, StructuredSpec | None]:
+    """Splits vLLM's structured-output keys (`structured_outputs`, `guided_decoding`, `guided_*`) out of a
+    sampling-parameters dict: (the rest, the one spec or None)."""
+    rest, specs = {}, []
+    for key, value in data.items():
+        if key in ("structured_outputs", "guided_decoding"):
+            spec = StructuredSpec.parse(value, key)
+        elif key in GUIDED_ALIASES:
+            spec = None if value is None or value is False else StructuredSpec.of(GUIDED_ALIASES[key], value, key)
+        elif key == "guided_decoding_backend":
+            if value not in NEUTRAL_OPTIONS["backend"]:
+                raise RequestError(f"{key} = {value!r} is not supported (the grammar engine is llguidance)")
+            continue
+        elif key == "guided_whitespace_pattern":
+            if value is not None:
+                raise RequestError(f"{key} is not supported")
+            continue
+        else:
+            rest[key] = value
+            continue
+        if spec is not None:
+            specs.append(spec)
+    if len(specs) > 1:
+        raise RequestError(f"give one structured-output constraint, got {', '.join(s.field for s in specs)}")
+    return rest, (specs[0] if specs else None)
+
+
+class GrammarState:
+    """One request's grammar: waits for `wait_for` (the think block's end) when set, then masks and advances."""
+
+    def __init__(self, matcher, wait_for: int | None):
+        self.matcher = matcher
+        self.wait_for = wait_for
+
+    @property
+    def active(self) -> bool:
+        return self.wait_for is None
+
+    def fill_mask(self, out: torch.Tensor) -> None:
+        """The allowed next tokens as a bitmask into `out` (int32 [ceil(V / 32)])."""
+        self.matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+        if self.matcher.is_error():
+            raise RuntimeError(self.matcher.get_error())
+
+    def accept(self, token_id: int) -> bool:
+        """Advances past a sampled token; True once the grammar is complete (nothing more may follow)."""
+        if self.wait_for is not None:
+            if token_id == self.wait_for:
+                self.wait_for = None
+            return False
+        if not self.matcher.consume_token(token_id):
+            raise RuntimeError(f"token {token_id} was not allowed by the grammar ({self.matcher.get_error()})")
+        return self.matcher.is_stopped()
+
+
+def apply_mask(row: torch.Tensor, mask: torch.Tensor) -> None:
+    """In place: logits of tokens whose bit is 0 in `mask` set to -inf (ids past the mask's end too).
+    `row` is a contiguous fp32 CPU row (the sampler's). numpy does it in one unpack and one masked store,
+    several times faster than the equivalent torch ops on a 152k vocabulary, and single-threaded, so it
+    never wakes the OpenMP team the model's kernels use."""
+    n = min(row.shape[0], mask.shape[0] * 32)
+    allowed = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little", count=n).view(bool)
+    values = row.numpy()
+    np.putmask(values[:n], ~allowed, -np.inf)
+    values[n:] = -np.inf
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer; thread-safe (admission may run in several threads)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int], think_end_id: int | None):
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        self.think_end_id = think_end_id
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+
+    def _llg_tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_ids)
+        return self._tokenizer
+
+    def matcher(self, spec: StructuredSpec, wait_for_think_end: bool) -> GrammarState:
+        """A fresh matcher for `spec` (compiled once per spec, then copied), or a RequestError naming the field."""
+        import llguidance
+        key = spec.key
+        with self._lock:
+            pristine = self._cache.get(key)
+            if pristine is None:
+                try:
+                    grammar = spec.grammar()
+                    pristine = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+                except (ValueError, TypeError) as exc:
+                    raise RequestError(f"{spec.field}: {exc}") from None
+                if pristine.is_error():
+                    raise RequestError(f"{spec.field} does not compile: {pristine.get_error().strip()}")
+                self._cache[key] = pristine
+                if len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+            matcher = pristine.deep_copy()
+        return GrammarState(matcher, self.think_end_id if wait_for_think_end else None)

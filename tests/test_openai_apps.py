@@ -1,0 +1,147 @@
+"""The OpenAI front's application surface without a server: chat output formatting (reasoning split, tool
+calls, finish reasons) streamed and whole, the request-field audit, tool grammars and response_format."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend_lib.sampling.structured import StructuredSpec
+from openai_frontend.errors import APIError
+from openai_frontend.formats import ChatFormat, TokenNames
+from openai_frontend.gateway import Delta
+from openai_frontend.params import CHAT_FIELDS, COMPLETION_FIELDS, parse_chat, parse_completion
+
+MSGS = [{"role": "user", "content": "hi"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TRANSCRIPT = "<think>\nThe user wants weather.\n</think>\n\n" + CALL
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _fmt(**kw):
+    return ChatFormat("m", TokenNames(), **kw)
+
+
+def _stream(text: str, cuts: list[int], **kw) -> tuple[list[dict], str]:
+    fmt = _fmt(**kw)
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    chunks = []
+    for p in pieces:
+        chunks += fmt.delta_chunks(Delta(p, [1]), False)
+    chunks += fmt.final_chunks("stop")
+    return [c["choices"][0]["delta"] for c in chunks], chunks[-1]["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("cuts", [[], [3], [1, 2, 3, 4, 5], list(range(1, len(TRANSCRIPT))), [10, 40, 41, 60]])
+def test_reasoning_and_tool_call_stream_equals_whole(cuts):
+    whole = _fmt(reasoning=True, parse_tools=True).result(TRANSCRIPT, None, "stop", {})
+    msg = whole["choices"][0]["message"]
+    assert msg["reasoning_content"] == "\nThe user wants weather.\n"
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    deltas, reason = _stream(TRANSCRIPT, cuts, reasoning=True, parse_tools=True)
+    assert reason == "tool_calls"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas).strip() == (msg["content"] or "").strip()
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert calls[0]["type"] == "function" and calls[0]["index"] == 0
+    assert "".join(tc["function"].get("arguments", "") for tc in calls) == '{"city": "Paris"}'
+
+
+def test_reasoning_off_thinking_off_and_include_reasoning_false():
+    raw = _fmt(reasoning=False).result(TRANSCRIPT, None, "stop", {})["choices"][0]
+    assert raw["message"]["content"] == TRANSCRIPT and "reasoning_content" not in raw["message"]
+    assert raw["finish_reason"] == "stop"
+    off = _fmt(reasoning=True, thinking=False).result("plain answer", None, "stop", {})["choices"][0]["message"]
+    assert off["content"] == "plain answer" and off["reasoning_content"] is None
+    hidden = _fmt(reasoning=True, include_reasoning=False).result("<think>x</think>y", None, "stop", {})
+    assert hidden["choices"][0]["message"] == {"role": "assistant", "content": "y", "refusal": None}
+    cut = _fmt(reasoning=True).result("<think>still thinking", None, "length", {})["choices"][0]
+    assert cut["message"]["reasoning_content"] == "still thinking" and cut["message"]["content"] is None
+    assert cut["finish_reason"] == "length"
+
+
+def test_every_field_outside_the_schema_is_refused_by_name():
+    for parse, known in ((parse_chat, CHAT_FIELDS), (parse_completion, COMPLETION_FIELDS)):
+        base = {"model": "m", "messages": MSGS} if parse is parse_chat else {"model": "m", "prompt": "x"}
+        for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort",
+                     "verbosity", "documents", "chat_template", "mm_processor_kwargs", "kv_transfer_params"):
+            assert name not in known
+            with pytest.raises(APIError) as err:
+                parse({**base, name: {"x": 1}})
+            assert err.value.status == 400 and name in err.value.message
+    with pytest.raises(APIError, match="modalities"):
+        parse_chat({"model": "m", "messages": MSGS, "modalities": ["text", "audio"]})
+    assert parse_chat({"model": "m", "messages": MSGS, "modalities": ["text"], "store": False, "user": "u",
+                       "parallel_tool_calls": True, "service_tier": "auto"}).messages == MSGS
+
+
+def test_response_format_and_structured_outputs_become_one_constraint():
+    gen = parse_chat({"model": "m", "messages": MSGS, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}},
+        "structured_outputs": {"disable_any_whitespace": True}})
+    assert gen.sampling["structured_outputs"] == {"json": {"type": "object"}, "disable_any_whitespace": True}
+    assert parse_completion({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}
+                            ).sampling["structured_outputs"] == {"json_object": True}
+    assert "structured_outputs" not in parse_chat({"model": "m", "messages": MSGS,
+                                                   "response_format": {"type": "text"}}).sampling
+    assert parse_chat({"model": "m", "messages": MSGS, "guided_regex": "a+"}).sampling["guided_regex"] == "a+"
+    with pytest.raises(APIError, match="response_format"):
+        parse_chat({"model": "m", "messages": MSGS, "response_format": {"type": "json_object"},
+                    "tools": TOOLS, "tool_choice": "required"})
+    with pytest.raises(APIError, match="structured_outputs"):
+        parse_chat({"model": "m", "messages": MSGS, "response_format": {"type": "json_object"},
+                    "structured_outputs": {"regex": "a"}})
+
+
+def test_forced_tool_grammars_compile_and_accept_only_listed_calls(a8w8_engine):
+    tok = a8w8_engine.tokenizer
+    two = TOOLS + [{"type": "function", "function": {"name": "noop"}}]
+    required = parse_chat({"model": "m", "messages": MSGS, "tools": two, "tool_choice": "required"})
+    named = parse_chat({"model": "m", "messages": MSGS, "tools": two,
+                        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    auto = parse_chat({"model": "m", "messages": MSGS, "tools": two})
+    assert "structured_outputs" not in auto.sampling and auto.tools.parse_calls
+    assert not parse_chat({"model": "m", "messages": MSGS, "tools": two, "tool_choice": "none"}).tools.parse_calls
+
+    def accepts(gen, text):
+        spec = StructuredSpec.parse(gen.sampling["structured_outputs"])
+        state = a8w8_engine.grammar.matcher(spec, False)
+        return state.matcher.try_consume_tokens(tok.encode(text)) == len(tok.encode(text)) and \
+            state.matcher.is_accepting()
+
+    noop = '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'
+    assert accepts(required, CALL) and accepts(required, noop) and accepts(required, CALL + "\n" + noop)
+    assert accepts(named, CALL) and not accepts(named, noop) and not accepts(named, CALL + "\n" + CALL)
+    assert not accepts(required, CALL.replace('"city"', '"town"'))
+    assert not accepts(required, "plain text")
+    single = parse_chat({"model": "m", "messages": MSGS, "tools": two, "tool_choice": "required",
+                         "parallel_tool_calls": False})
+    assert accepts(single, CALL) and not accepts(single, CALL + "\n" + noop)
+    assert json.loads(CALL.split("\n")[1])["name"] == "get_weather"
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=6),
+                       lambda c: st.lists(c, max_size=3) | st.dictionaries(
+                           st.sampled_from(["type", "function", "name", "parameters", "json_schema", "schema",
+                                            "strict", "description", "x"]), c, max_size=3), max_leaves=10)
+_fields = st.dictionaries(st.sampled_from(["tools", "tool_choice", "parallel_tool_calls", "response_format",
+                                           "structured_outputs", "guided_json", "include_reasoning",
+                                           "chat_template_kwargs"]), _values, max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_fields)
+def test_fuzzed_application_fields_are_a_generation_or_a_400(fields):
+    try:
+        gen = parse_chat({"model": "m", "messages": MSGS, **fields})
+    except APIError as exc:
+        assert exc.status == 400
+        return
+    if gen.tools is not None:
+        gen.tools.grammar()
+        json.dumps(gen.tools.tools)

@@ -1,0 +1,159 @@
+"""Structured output: grammar masks in the engine (JSON schema, any JSON object, regex, choice, Lark),
+exact ids beside unconstrained requests, errors at admission that name the field, thinking-aware start."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from backend_lib.sampling.params import RequestError
+from backend_lib.sampling.structured import StructuredSpec, spec_from_sampling
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                               "minItems": 1, "maxItems": 3},
+                                      "address": {"type": "object", "properties": {
+                                          "city": {"type": "string", "maxLength": 8},
+                                          "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                                          "required": ["city", "zip"], "additionalProperties": False}},
+     "required": ["tags", "address"], "additionalProperties": False},
+    {"type": "object", "properties": {"score": {"type": "number", "minimum": -1, "maximum": 1},
+                                      "ok": {"type": "boolean"}, "kind": {"const": "point"}},
+     "required": ["score", "ok", "kind"], "additionalProperties": False},
+]
+
+
+def _json(schema):
+    return {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+
+
+@pytest.fixture(scope="module")
+def engine(a8w8_ckpt):
+    from helpers import make_engine
+    return make_engine(a8w8_ckpt, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def prompt(engine):
+    return engine.tokenizer.encode("Answer in JSON:")
+
+
+def _run(engine, prompts, datas):
+    return engine.generate(prompts, [engine.make_params(d) for d in datas])
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_json_schema_outputs_validate(engine, prompt, temperature):
+    datas = [{"temperature": temperature, "seed": i, "max_tokens": 200, **_json(s)} for i, s in enumerate(SCHEMAS)]
+    for data, r in zip(datas, _run(engine, [prompt] * len(datas), datas)):
+        assert r["finish_reason"] == "stop", r
+        jsonschema.validate(json.loads(r["text"]), data["structured_outputs"]["json"])
+
+
+def test_json_object_outputs_are_objects(engine, prompt):
+    """Any JSON object: unbounded strings let a random-weight model write one key forever, so not every
+    run ends; every one that ends is an object, and every one is a prefix of one."""
+    datas = [{"temperature": 1.0, "seed": i, "max_tokens": 60,
+              "structured_outputs": {"json_object": True, "disable_any_whitespace": True}} for i in range(8)]
+    results = _run(engine, [prompt] * len(datas), datas)
+    assert all(r["text"].startswith("{") for r in results)
+    done = [r for r in results if r["finish_reason"] == "stop"]
+    assert done and all(isinstance(json.loads(r["text"]), dict) for r in done)
+
+
+def test_regex_choice_and_lark_outputs_match(engine, prompt):
+    datas = [{"temperature": 1.0, "seed": 1, "max_tokens": 50, "structured_outputs": {"regex": r"[a-z]{3}-[0-9]{2,4}"}},
+             {"temperature": 1.0, "seed": 2, "max_tokens": 50, "guided_choice": ["alpha", "beta", "gamma delta"]},
+             {"temperature": 1.0, "seed": 3, "max_tokens": 50, "ignore_eos": True,
+              "structured_outputs": {"grammar": 'start: "sum(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/'}},
+             {"temperature": 0, "max_tokens": 50, "guided_regex": "(yes|no)!"}]
+    r = _run(engine, [prompt] * 4, datas)
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2,4}", r[0]["text"]) and r[0]["finish_reason"] == "stop"
+    assert r[1]["text"] in ("alpha", "beta", "gamma delta") and r[1]["finish_reason"] == "stop"
+    # ignore_eos: the grammar's end still ends the request
+    assert re.fullmatch(r"sum\([0-9]{1,3}(,[0-9]{1,3})*\)", r[2]["text"]) and r[2]["finish_reason"] == "stop"
+    assert r[3]["text"] in ("yes!", "no!")
+
+
+def test_constrained_and_free_requests_get_their_solo_ids(engine, prompt):
+    """Masks touch only their own row: each request gets in a mixed batch the ids it gets alone."""
+    other = engine.tokenizer.encode("A different prompt, longer than the first one")
+    datas = [{"temperature": 0, "max_tokens": 40, **_json(SCHEMAS[1])},
+             {"temperature": 0, "max_tokens": 24, "ignore_eos": True},
+             {"temperature": 0.9, "seed": 5, "max_tokens": 40, **_json(SCHEMAS[0])},
+             {"temperature": 0.9, "seed": 6, "max_tokens": 24, "ignore_eos": True}]
+    prompts = [prompt, other, other, prompt]
+    together = _run(engine, prompts, datas)
+    for p, d, r in zip(prompts, datas, together):
+        assert _run(engine, [p], [d])[0]["output_ids"] == r["output_ids"]
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs.json"),
+    ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {}, "structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_json"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+])
+def test_bad_constraints_fail_at_admission_naming_the_field(engine, prompt, data, field):
+    with pytest.raises(RequestError, match=re.escape(field)):
+        engine.make_request("bad", prompt, engine.make_params({"max_tokens": 5, **data}))
+
+
+def test_a_complete_grammar_ends_the_request_even_under_min_tokens(engine, prompt):
+    """Nothing may follow a complete grammar, so its end wins over min_tokens (and ignore_eos); the request
+    beside it is untouched."""
+    datas = [{"temperature": 0, "max_tokens": 10, "min_tokens": 5, "ignore_eos": True, "guided_choice": ["x"]},
+             {"temperature": 0, "max_tokens": 6, "ignore_eos": True}]
+    bad, good = _run(engine, [prompt] * 2, datas)
+    assert (bad["text"], bad["finish_reason"]) == ("x", "stop")
+    assert good["output_ids"] == _run(engine, [prompt], datas[1:])[0]["output_ids"]
+
+
+def test_thinking_chat_constrains_after_the_think_block(engine):
+    """Thinking on: the prompt ends in an open assistant turn, the grammar waits for `</think>`; thinking off
+    (an empty think block closed in the prompt): the grammar applies from the first token."""
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": "hi"}]
+    on = tok.encode(tok.apply_chat_template(msgs, enable_thinking=True))
+    off = tok.encode(tok.apply_chat_template(msgs, enable_thinking=False))
+    assert tok.thinking_open(on) and not tok.thinking_open(off)
+    assert not tok.thinking_open(tok.encode("plain text, no chat"))
+    spec = StructuredSpec.parse({"choice": ["yes", "no"]})
+    state = engine.grammar.matcher(spec, tok.thinking_open(on))
+    assert not state.active
+    assert state.accept(tok.encode("free")[0]) is False and not state.active   # not checked while thinking
+    assert state.accept(tok.think_end_id) is False and state.active
+    r = _run(engine, [off], [{"temperature": 0, "max_tokens": 8, "guided_choice": ["yes", "no"]}])[0]
+    assert r["text"] in ("yes", "no")
+
+
+_json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                            max_leaves=8)
+_keys = st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                         "whitespace_pattern", "backend", "type", "structural_tag"])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(_keys, _json_values, max_size=3) | _json_values)
+def test_fuzzed_structured_outputs_fail_alone_with_a_request_error(engine, prompt, value):
+    """Whatever a client puts in structured_outputs: a spec that compiles, or a RequestError; nothing else."""
+    try:
+        rest, spec = spec_from_sampling({"structured_outputs": value})
+        if spec is not None:
+            engine.grammar.matcher(spec, False)
+    except RequestError:
+        pass
