@@ -27,7 +27,8 @@ class EngineConfig:
     tq_seed: int = 0
     kernels: str = "auto"                  # auto | reference | cpu
     kernel_cache_dir: str | None = None
-    num_threads: int | None = None
+    num_threads: int | None = None         # default: one per core of cpu_cores, else torch's
+    cpu_cores: str | None = None           # '0-3,6': the cores this engine computes on (cpu_policy.py)
     fault_injection: str | None = None     # test hook: "every:N" raises inside every Nth model step
     limits: SamplingLimits = field(default_factory=SamplingLimits)
 
@@ -53,7 +54,7 @@ class EngineConfig:
                 kwargs.pop(key)
         if "enable_prefix_caching" in kwargs:
             kwargs["enable_prefix_caching"] = _to_bool("enable_prefix_caching", kwargs["enable_prefix_caching"])
-        for key in ("tokenizer", "kernel_cache_dir", "fault_injection"):
+        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
@@ -86,6 +87,11 @@ class EngineConfig:
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels: {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
         parse_memory_budget(self.kv_cache_memory)
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads: must be positive, got {self.num_threads}")
+        if self.cpu_cores:
+            from .cpu_policy import parse_cores
+            parse_cores(self.cpu_cores)
         if self.fault_injection:
             fault_every(self.fault_injection)
         return self

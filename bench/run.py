@@ -72,10 +72,6 @@ def decode_rates(workers: dict, batch: int, prompt_len: int, new_tokens: int, re
             runs[name].append(w.call(op="decode", batch=batch, prompt_len=prompt_len, new_tokens=new_tokens))
     out = {}
     for name, rs in runs.items():
-        if "decode_tokens_per_s" in rs[0]:          # measured by the system itself (tritonserver)
-            rate = statistics.median(r["decode_tokens_per_s"] for r in rs)
-            out[name] = {"decode_tokens_per_s": rate, "runs": rs}
-            continue
         full = statistics.median(r["full_s"] for r in rs)
         prefill = statistics.median(r["prefill_s"] for r in rs)
         out[name] = {"decode_tokens_per_s": batch * (new_tokens - 1) / max(full - prefill, 1e-9), "full_s": full,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from harness.triton_server import TritonServer, make_repository
@@ -10,8 +11,9 @@ from client.loadgen import run_load
 
 
 class TritonSystem:
-    """call(op="decode", batch=B, ...) streams B concurrent requests through gRPC: decode tokens/s is
-    B / (mean inter-token latency), the rate the clients see once their first token has arrived."""
+    """call(op="decode", batch=B, ...) streams B concurrent requests through gRPC, timed as every bench worker
+    times a batch (bench/workers/common.py): the wall time of B requests of N tokens and of B requests of
+    one token; decode tokens/s = B (N - 1) / (full - prefill), the same definition for every system."""
 
     def __init__(self, checkpoint: Path, out_dir: Path):
         repo = make_repository(out_dir / "triton-models", {
@@ -25,14 +27,20 @@ class TritonSystem:
         return {"input_ids": ids, "stream": True, "max_tokens": max_tokens,
                 "sampling_parameters": {"temperature": 0, "ignore_eos": True}}
 
-    def call(self, op: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
-        assert op == "decode"
+    def _timed(self, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, dict]:
         reqs = [self._request(p, new_tokens) for p in prompts(batch, prompt_len)]
+        t0 = time.perf_counter()
         r = asyncio.run(run_load(self.server.grpc_url, "qwen3_a8w8", batch, reqs))
         if r["errors"]:
             raise RuntimeError(f"tritonserver returned errors: {r['error_messages']}")
-        return {"decode_tokens_per_s": batch / r["inter_token_latency_s"]["avg"],
-                "ttft_s": r["time_to_first_token_s"]["avg"]}
+        return time.perf_counter() - t0, r
+
+    def call(self, op: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
+        assert op == "decode"
+        full, r = self._timed(batch, prompt_len, new_tokens)
+        prefill, _ = self._timed(batch, prompt_len, 1)
+        return {"full_s": full, "prefill_s": prefill, "ttft_s": r["time_to_first_token_s"]["avg"],
+                "client_itl_s": r["inter_token_latency_s"]["avg"]}
 
     def close(self) -> None:
         self.server.stop()

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from .. import cpu_policy
 from ..checkpoint import ModelConfig, parse_quantization_config
 from ..config import EngineConfig, fault_every
 from ..device import parse_dtype, resolve_device, trim_host_memory
@@ -58,8 +59,7 @@ class LLMEngine:
         t0 = time.time()
         self.device = resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, self.device)
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        cores, _ = cpu_policy.apply(cfg.cpu_cores, cfg.num_threads)
         self.model_config = mc = ModelConfig.from_dir(cfg.checkpoint)
         scheme = parse_quantization_config(mc.quantization_config)
         self.quantization = scheme.kind if scheme else None
@@ -69,8 +69,8 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({cfg.max_num_seqs}) so every running sequence can decode each step")
         kernels = get_kernels(self.device, cfg.kernels, cfg.kernel_cache_dir)
-        log.info("device %s, dtype %s, kernels %s, %d threads", self.device, self.dtype, kernels.name,
-                 torch.get_num_threads())
+        log.info("device %s, dtype %s, kernels %s, %d threads%s", self.device, self.dtype, kernels.name,
+                 torch.get_num_threads(), f" on cores {cpu_policy.format_cores(cores)}" if cores else "")
         self.runner = ModelRunner(cfg, mc, scheme, self.device, self.dtype, kernels, self.max_model_len,
                                   fault_every(cfg.fault_injection) if cfg.fault_injection else None)
         self.block_manager = BlockManager(self.runner.kv_cache.num_pages, cfg.page_size, cfg.enable_prefix_caching)

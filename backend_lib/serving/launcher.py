@@ -119,6 +119,63 @@ def command(args: list[str]) -> tuple[list[str], dict[str, str]]:
     return bundled_command(args)
 
 
+PARTITION_ENV = "QWEN3_CPU_PARTITION"             # "off": leave the LLM models' cores to their own parameters
+LLM_MARKER = "TritonLLMModel"                     # what an LLM model's model.py is built on
+
+
+def _arg_values(args: list[str], name: str) -> list[str]:
+    out = []
+    for i, a in enumerate(args):
+        if a.startswith(name + "="):
+            out.append(a.split("=", 1)[1])
+        elif a == name and i + 1 < len(args):
+            out.append(args[i + 1])
+    return out
+
+
+def llm_models(args: list[str]) -> list[tuple[str, Path]]:
+    """(name, folder) of the LLM models the server will load: every one in the repositories, or those named
+    by --load-model under --model-control-mode=explicit."""
+    explicit = "explicit" in _arg_values(args, "--model-control-mode")
+    wanted = set(_arg_values(args, "--load-model"))
+    out = []
+    for repo in _arg_values(args, "--model-repository"):
+        for folder in sorted(Path(repo).iterdir()) if Path(repo).is_dir() else []:
+            code = list(folder.glob("*/model.py"))
+            if (folder / "config.pbtxt").is_file() and code and LLM_MARKER in code[0].read_text(errors="replace"):
+                if not explicit or folder.name in wanted or "*" in wanted:
+                    out.append((folder.name, folder))
+    return out
+
+
+def cpu_partition(args: list[str], env: dict[str, str]) -> dict[str, str]:
+    """The environment with each LLM model's $<MODEL>_CPU_CORES set to its share of this process's cores
+    (backend_lib/cpu_policy.py), except where the operator chose (the variable or a cpu_cores/num_threads
+    parameter); and libgomp's short spin unless GOMP_SPINCOUNT / OMP_WAIT_POLICY are set."""
+    from .. import cpu_policy
+
+    env = dict(env)
+    if not any(k in env for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")):
+        env["GOMP_SPINCOUNT"] = cpu_policy.SPIN_COUNT
+    if env.get(PARTITION_ENV, "").strip().lower() in ("off", "false", "0"):
+        return env
+    free = []
+    for name, folder in llm_models(args):
+        pbtxt = (folder / "config.pbtxt").read_text(errors="replace")
+        chosen = any(f'key: "{k}"' in pbtxt for k in ("cpu_cores", "num_threads")) or any(
+            f"{name.upper()}_{k}" in env for k in ("CPU_CORES", "NUM_THREADS"))
+        if not chosen:
+            free.append(name)
+    shares = cpu_policy.partition(free, cpu_policy.available_cores())
+    for name, cores in shares.items():
+        env[f"{name.upper()}_CPU_CORES"] = cores
+    if shares:
+        print("[tritonserver] cores per LLM model: " + ", ".join(f"{n} {c}" for n, c in shares.items())
+              + f" (${PARTITION_ENV}=off or a model's cpu_cores / num_threads changes this)", file=sys.stderr,
+              flush=True)
+    return env
+
+
 def exit_on_engine_death() -> bool:
     raw = os.environ.get(EXIT_ON_ENGINE_DEATH_ENV, "true").strip().lower()
     if raw not in ("true", "false", "1", "0"):
@@ -216,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     args, timeout = exit_timeout(list(sys.argv[1:] if argv is None else argv))
     exit_on_death = exit_on_engine_death()
     cmd, env = command(args)
+    env = cpu_partition(args, env)
     sys.exit(supervise(cmd, env, kill_after=timeout + KILL_GRACE_S, exit_on_death=exit_on_death))
 
 
