@@ -135,6 +135,27 @@ def test_a8w8_linear_matches_reference_bitwise_and_is_batch_invariant(dtype):
         assert torch.equal(CPU.a8w8_linear(x[:m], prepared), full[:m])
 
 
+@pytest.mark.parametrize("K", [1, 7, 8, 9, 1001])
+@pytest.mark.parametrize("N", [1, 9, 37])
+def test_a8w8_linear_tails_and_row_tiles_are_exact(K, N):
+    """Odd K (k-group and vector tails), N off the panel width, M across every row-tile size 1..13."""
+    g = torch.Generator().manual_seed(7 + K + N)
+    x = torch.randn(13, K, generator=g) * 5
+    x[3] = -x[3].abs()                       # a row whose extreme is negative: q = -127 at its max
+    w_q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    w_q[0] = -128                            # the int8 extremes must accumulate exactly
+    w_s = torch.rand(N, generator=g) * 0.01
+    prepared = CPU.a8w8_prepare(w_q, w_s)
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        full = CPU.a8w8_linear(xd, prepared)
+        assert torch.equal(full, ref.a8w8_linear(xd, w_q, w_s))
+        for m in range(1, 13):
+            assert torch.equal(CPU.a8w8_linear(xd[:m], prepared), full[:m])
+        for i in (0, 5, 12):                 # a row alone equals the same row inside the batch
+            assert torch.equal(CPU.a8w8_linear(xd[i:i + 1], prepared)[0], full[i])
+
+
 def test_quantize_rounds_half_to_even_and_uses_minus_128_never():
     x = torch.tensor([[127.0, 0.5, 1.5, -2.5, -127.0, 63.5]])
     q, s = ref.quantize_per_token(x)
