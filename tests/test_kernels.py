@@ -95,6 +95,22 @@ def test_paged_attention_row_is_identical_in_chunk_prefill_and_decode(page_size)
         assert torch.equal(one[0], whole[pos])
 
 
+@pytest.mark.parametrize("group,d", [(1, 128), (2, 128), (3, 64), (6, 64), (8, 128)])
+def test_paged_attention_gqa_groups_match_reference_and_rows_are_invariant(group, d):
+    """Every row-tile shape of the score and value kernels (1..16 rows per block, head_dim 64 and 128):
+    against the reference, and each position alone (a decode step) equals it inside the whole prompt."""
+    kvh = 2
+    q, kc, vc, bt, qsl, lens = _paged_setup(torch.bfloat16, seq_lens=[37], q_lens=[37], kvh=kvh, h=kvh * group,
+                                            d=d, page_size=32)
+    whole = CPU.paged_attention(q, kc, vc, bt, qsl, lens, 0.1)
+    torch.testing.assert_close(whole.float(), ref.paged_attention(q, kc, vc, bt, qsl, lens, 0.1).float(),
+                               rtol=2e-2, atol=2e-2)
+    for pos in (0, 7, 31, 32, 36):
+        one = CPU.paged_attention(q[pos:pos + 1], kc, vc, bt, torch.tensor([0, 1], dtype=torch.int32),
+                                  torch.tensor([pos + 1], dtype=torch.int32), 0.1)
+        assert torch.equal(one[0], whole[pos])
+
+
 def test_a8w8_linear_equals_independent_emulation_and_differs_from_weight_only():
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(24, 256, generator=g) * torch.rand(24, 1, generator=g) * 4).to(torch.bfloat16)
