@@ -34,6 +34,23 @@ def test_float_linear_matches_reference_and_is_batch_invariant(xd, wd):
     assert torch.equal(CPU.float_rows(p, ids), w[ids])
 
 
+@pytest.mark.parametrize("wd", DTYPES)
+@pytest.mark.parametrize("K", [7, 1001])
+def test_float_linear_odd_k_and_every_row_tile(wd, K):
+    """Odd K (the padded k-pair), N off the panel width, M across every row-tile size 1..13."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(13, K, generator=g).to(torch.bfloat16)
+    w = torch.randn(70, K, generator=g).to(wd)
+    p = CPU.float_prepare(w)
+    y = CPU.float_linear(x, p, torch.float32)
+    torch.testing.assert_close(y, ref.float_linear(x, w, torch.float32), rtol=1e-4, atol=2e-3)
+    for m in range(1, 13):
+        assert torch.equal(CPU.float_linear(x[:m], p, torch.float32), y[:m])
+    for i in (0, 6, 12):
+        assert torch.equal(CPU.float_linear(x[i:i + 1], p, torch.float32)[0], y[i])
+    assert torch.equal(CPU.float_linear(x, p), y.to(torch.bfloat16))   # the bf16 store rounds like torch
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_and_fused_add(dtype):
     g = torch.Generator().manual_seed(1)
