@@ -34,6 +34,23 @@ def test_float_linear_matches_reference_and_is_batch_invariant(xd, wd):
     assert torch.equal(CPU.float_rows(p, ids), w[ids])
 
 
+@pytest.mark.parametrize("wd", DTYPES)
+@pytest.mark.parametrize("K", [7, 1001])
+def test_float_linear_odd_k_and_every_row_tile(wd, K):
+    """Odd K (the padded k-pair), N off the panel width, M across every row-tile size 1..13."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(13, K, generator=g).to(torch.bfloat16)
+    w = torch.randn(70, K, generator=g).to(wd)
+    p = CPU.float_prepare(w)
+    y = CPU.float_linear(x, p, torch.float32)
+    torch.testing.assert_close(y, ref.float_linear(x, w, torch.float32), rtol=1e-4, atol=2e-3)
+    for m in range(1, 13):
+        assert torch.equal(CPU.float_linear(x[:m], p, torch.float32), y[:m])
+    for i in (0, 6, 12):
+        assert torch.equal(CPU.float_linear(x[i:i + 1], p, torch.float32)[0], y[i])
+    assert torch.equal(CPU.float_linear(x, p), y.to(torch.bfloat16))   # the bf16 store rounds like torch
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_and_fused_add(dtype):
     g = torch.Generator().manual_seed(1)
@@ -95,6 +112,22 @@ def test_paged_attention_row_is_identical_in_chunk_prefill_and_decode(page_size)
         assert torch.equal(one[0], whole[pos])
 
 
+@pytest.mark.parametrize("group,d", [(1, 128), (2, 128), (3, 64), (6, 64), (8, 128)])
+def test_paged_attention_gqa_groups_match_reference_and_rows_are_invariant(group, d):
+    """Every row-tile shape of the score and value kernels (1..16 rows per block, head_dim 64 and 128):
+    against the reference, and each position alone (a decode step) equals it inside the whole prompt."""
+    kvh = 2
+    q, kc, vc, bt, qsl, lens = _paged_setup(torch.bfloat16, seq_lens=[37], q_lens=[37], kvh=kvh, h=kvh * group,
+                                            d=d, page_size=32)
+    whole = CPU.paged_attention(q, kc, vc, bt, qsl, lens, 0.1)
+    torch.testing.assert_close(whole.float(), ref.paged_attention(q, kc, vc, bt, qsl, lens, 0.1).float(),
+                               rtol=2e-2, atol=2e-2)
+    for pos in (0, 7, 31, 32, 36):
+        one = CPU.paged_attention(q[pos:pos + 1], kc, vc, bt, torch.tensor([0, 1], dtype=torch.int32),
+                                  torch.tensor([pos + 1], dtype=torch.int32), 0.1)
+        assert torch.equal(one[0], whole[pos])
+
+
 def test_a8w8_linear_equals_independent_emulation_and_differs_from_weight_only():
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(24, 256, generator=g) * torch.rand(24, 1, generator=g) * 4).to(torch.bfloat16)
@@ -133,6 +166,27 @@ def test_a8w8_linear_matches_reference_bitwise_and_is_batch_invariant(dtype):
     assert torch.equal(full, ref.a8w8_linear(x, w_q, w_s))
     for m in (1, 2, 3, 4, 5, 16, 17, 33):
         assert torch.equal(CPU.a8w8_linear(x[:m], prepared), full[:m])
+
+
+@pytest.mark.parametrize("K", [1, 7, 8, 9, 1001])
+@pytest.mark.parametrize("N", [1, 9, 37])
+def test_a8w8_linear_tails_and_row_tiles_are_exact(K, N):
+    """Odd K (k-group and vector tails), N off the panel width, M across every row-tile size 1..13."""
+    g = torch.Generator().manual_seed(7 + K + N)
+    x = torch.randn(13, K, generator=g) * 5
+    x[3] = -x[3].abs()                       # a row whose extreme is negative: q = -127 at its max
+    w_q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    w_q[0] = -128                            # the int8 extremes must accumulate exactly
+    w_s = torch.rand(N, generator=g) * 0.01
+    prepared = CPU.a8w8_prepare(w_q, w_s)
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        full = CPU.a8w8_linear(xd, prepared)
+        assert torch.equal(full, ref.a8w8_linear(xd, w_q, w_s))
+        for m in range(1, 13):
+            assert torch.equal(CPU.a8w8_linear(xd[:m], prepared), full[:m])
+        for i in (0, 5, 12):                 # a row alone equals the same row inside the batch
+            assert torch.equal(CPU.a8w8_linear(xd[i:i + 1], prepared)[0], full[i])
 
 
 def test_quantize_rounds_half_to_even_and_uses_minus_128_never():

@@ -136,9 +136,10 @@ def test_rotated_space_attention_equals_dequantize_then_attend(kernels, page_siz
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("page_size", [16, 32])
-def test_tq_attention_row_is_batch_and_chunk_invariant(page_size):
-    cache, q, bt, _, _ = _tq_setup([45], [45], page_size=page_size)
+@pytest.mark.parametrize("page_size,d,h", [(16, 64, 8), (32, 64, 8), (32, 128, 4), (16, 128, 2), (32, 64, 6)])
+def test_tq_attention_row_is_batch_and_chunk_invariant(page_size, d, h):
+    """GQA groups 1..4 (every row-tile shape of the score and value kernels), head_dim 64 and 128."""
+    cache, q, bt, _, _ = _tq_setup([45], [45], page_size=page_size, d=d, h=h)
     args = (cache.k_codes[0], cache.k_scales[0], cache.v_codes[0], cache.v_scales[0])
     rot, cents = cache.rotations[0], cache.centroids
     whole = CPU.tq_paged_attention(q, *args, bt, torch.tensor([0, 45], dtype=torch.int32),

@@ -2,33 +2,60 @@
 //
 //   s_t = max|x_t| / 127, q_t = round_half_even(x_t / s_t), acc = q W^T (exact int32), y = acc * s_t * w_scale
 //
-// Weights are packed at load into panels of 64 output rows laid out for AVX512-VNNI: for every group
-// of 4 k-values, 64 rows x 4 bytes (four zmm of 16 rows each), so a panel is one sequential stream and
-// each vpdpbusd updates 16 outputs with no horizontal reduction. An x row contributes its 4 bytes by
-// broadcast; up to 6 rows share every weight load. vpdpbusd multiplies unsigned by signed bytes, so
-// activations are offset by +128 and 128 * sum(w_n) is subtracted again. Integer accumulation is
-// exact: every row is bit-identical whatever the batch (batch invariant) and equal to the reference.
+// Integer accumulation is exact: every row is bit-identical whatever the batch (batch invariant) and
+// equal to the reference. The packed layout depends on the instruction set of this build (a8w8_pack
+// runs in the same build as a8w8_linear):
+//
+// AVX512-VNNI: panels of 64 output rows; for every group of 4 k-values, 64 rows x 4 bytes (four zmm
+// of 16 rows each), so a panel is one sequential stream and each vpdpbusd updates 16 outputs with no
+// horizontal reduction. An x row contributes its 4 bytes by broadcast; up to 6 rows share every weight
+// load. vpdpbusd multiplies unsigned by signed bytes, so activations are offset by +128 and
+// 128 * sum(w_n) is subtracted again.
+//
+// Otherwise (AVX2, and the portable fallback): panels of 16 output rows; for every pair of k-values,
+// 16 rows x 2 bytes (32 bytes, one sequential stream). Weights stay int8 in memory and are
+// sign-extended to int16 in registers (one vpmovsxbw per 8 rows, shared by up to 6 x rows);
+// activations are stored as int16 and a k-pair is broadcast, so one vpmaddwd gives 8 rows
+// x[2g] w[2g] + x[2g+1] w[2g+1] as int32. That is exact for the whole int8 range (|sum| <= 2 * 128 * 128,
+// where vpmaddubsw would saturate int16 with the +128 offset), needs no offset and no weight-range
+// assumption, and costs the same multiplier throughput per k as the vpsignb + vpmaddubsw + vpmaddwd
+// sequence.
 #include "common.h"
 
 namespace qk {
 namespace {
 
+#if defined(__AVX512VNNI__)
 constexpr int64_t kPanel = 64;   // output rows per panel (4 zmm x 16 int32 lanes)
-constexpr int kMaxRows = 6;      // x rows per register tile (6 x 4 accumulators)
+constexpr int64_t kGroup = 4;    // k-values per weight group (one vpdpbusd lane)
+constexpr int32_t kOffset = 128; // activations stored as q + 128 (unsigned bytes)
+using qx_t = uint8_t;
+#else
+constexpr int64_t kPanel = 16;   // output rows per panel (2 ymm x 8 int32 lanes)
+constexpr int64_t kGroup = 2;    // k-values per weight group (one vpmaddwd lane)
+constexpr int32_t kOffset = 0;   // activations stored as signed int16
+using qx_t = int16_t;
+#endif
+constexpr int kMaxRows = 6;      // x rows per register tile (6 x 4 zmm or 6 x 2 ymm accumulators)
 
 template <typename T>
-inline float quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
+inline float quantize_row(const T* x, int64_t K, int64_t Kp, qx_t* q) {
   float amax = 0.f;
   int64_t k = 0;
 #if defined(__AVX512F__)
   __m512 vmax = _mm512_setzero_ps();
   for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16x(x + k)));
   amax = _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8x(x + k), abs_mask));
+  amax = hmax8(vmax);
 #endif
   for (int64_t r = k; r < K; ++r) amax = std::max(amax, std::fabs(to_f(x[r])));
   const float scale = amax > 0.f ? amax / 127.0f : 1.0f;
   k = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512VNNI__)
   const __m512 vs = _mm512_set1_ps(scale);
   const __m512 lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
   for (; k + 16 <= K; k += 16) {
@@ -37,19 +64,29 @@ inline float quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
     const __m512i iv = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(iv));
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vs = _mm256_set1_ps(scale);
+  const __m256 lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+  for (; k + 8 <= K; k += 8) {
+    __m256 v = _mm256_round_ps(_mm256_div_ps(load8x(x + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+    const __m256i iv = _mm256_cvtps_epi32(v);   // in [-128, 127]: the signed pack below is exact
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
+                     _mm_packs_epi32(_mm256_castsi256_si128(iv), _mm256_extracti128_si256(iv, 1)));
+  }
 #endif
   for (; k < K; ++k) {
     float v = std::nearbyint(to_f(x[k]) / scale);   // round half to even, as torch.round
     v = std::min(127.f, std::max(-128.f, v));
-    q[k] = static_cast<uint8_t>(static_cast<int>(v) + 128);
+    q[k] = static_cast<qx_t>(static_cast<int>(v) + kOffset);
   }
   for (; k < Kp; ++k) q[k] = 0;   // padding meets zero weights
   return scale;
 }
 
-// acc[i][j] (16 output rows each) = sum over k-groups of broadcast(x_i[4g..4g+3]) . panel[g][j].
+// acc[i][j] (16 / 8 output rows each) = sum over k-groups of broadcast(x_i[group g]) . panel[g][j].
 template <int MB>
-inline void panel_kernel(const uint8_t* xu, int64_t ldx, const int8_t* panel, int64_t KG, int32_t* out) {
+inline void panel_kernel(const qx_t* xu, int64_t ldx, const int8_t* panel, int64_t KG, int32_t* out) {
 #if defined(__AVX512VNNI__)
   __m512i acc[MB][4];
 #pragma GCC unroll 8
@@ -75,19 +112,41 @@ inline void panel_kernel(const uint8_t* xu, int64_t ldx, const int8_t* panel, in
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) _mm512_storeu_si512(out + i * kPanel + j * 16, acc[i][j]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256i acc[MB][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < KG; ++g) {
+    const int8_t* p = panel + g * 32;
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      int32_t xv;
+      std::memcpy(&xv, xu + i * ldx + g * 2, 4);
+      const __m256i xb = _mm256_set1_epi32(xv);
+      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(xb, w0));
+      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(xb, w1));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel), acc[i][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel + 8), acc[i][1]);
+  }
 #else
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < kPanel; ++r) {
       int32_t s = 0;
       for (int64_t g = 0; g < KG; ++g)
-        for (int kk = 0; kk < 4; ++kk)
-          s += static_cast<int32_t>(xu[i * ldx + g * 4 + kk]) * panel[(g * kPanel + r) * 4 + kk];
+        for (int kk = 0; kk < kGroup; ++kk)
+          s += static_cast<int32_t>(xu[i * ldx + g * kGroup + kk]) * panel[(g * kPanel + r) * kGroup + kk];
       out[i * kPanel + r] = s;
     }
 #endif
 }
 
-inline void panel_rows(int mb, const uint8_t* xu, int64_t ldx, const int8_t* panel, int64_t KG, int32_t* out) {
+inline void panel_rows(int mb, const qx_t* xu, int64_t ldx, const int8_t* panel, int64_t KG, int32_t* out) {
   switch (mb) {
     case 6: panel_kernel<6>(xu, ldx, panel, KG, out); break;
     case 5: panel_kernel<5>(xu, ldx, panel, KG, out); break;
@@ -100,20 +159,20 @@ inline void panel_rows(int mb, const uint8_t* xu, int64_t ldx, const int8_t* pan
 
 }  // namespace
 
-// w_q int8 [N, K] -> packed int8 [ceil(N/64), ceil(K/4), 64, 4] (zero padded).
+// w_q int8 [N, K] -> packed int8 [ceil(N/kPanel), ceil(K/kGroup), kPanel, kGroup] (zero padded).
 at::Tensor a8w8_pack(const at::Tensor& w_in) {
   TORCH_CHECK(w_in.scalar_type() == at::kChar && w_in.dim() == 2, "w_q must be int8 [N, K]");
   auto w = w_in.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
-  const int64_t NP = (N + kPanel - 1) / kPanel, KG = (K + 3) / 4;
-  auto packed = at::zeros({NP, KG, kPanel, 4}, w.options());
+  const int64_t NP = (N + kPanel - 1) / kPanel, KG = (K + kGroup - 1) / kGroup;
+  auto packed = at::zeros({NP, KG, kPanel, kGroup}, w.options());
   const int8_t* src = w.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t r = 0; r < kPanel && p * kPanel + r < N; ++r) {
         const int8_t* row = src + (p * kPanel + r) * K;
-        for (int64_t k = 0; k < K; ++k) dst[((p * KG + k / 4) * kPanel + r) * 4 + k % 4] = row[k];
+        for (int64_t k = 0; k < K; ++k) dst[((p * KG + k / kGroup) * kPanel + r) * kGroup + k % kGroup] = row[k];
       }
   });
   return packed;
@@ -124,30 +183,32 @@ at::Tensor a8w8_colsum(const at::Tensor& w_q) {
   return w_q.sum(1, /*keepdim=*/false, at::kInt).contiguous();
 }
 
-// x [..., K] float -> y [..., N] (x's dtype). packed from a8w8_pack; w_scale fp32 [N]; colsum int32 [N].
+// x [..., K] float -> y [..., N] (x's dtype). packed from a8w8_pack; w_scale fp32 [N]; colsum int32 [N] (sum(w_n),
+// which only the VNNI layout's +128 offset needs).
 at::Tensor a8w8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& w_scale,
                        const at::Tensor& colsum) {
   check_float_dtype(x_in, "x");
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.is_contiguous(),
-              "packed weight expected from a8w8_pack");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == kPanel && packed.size(3) == kGroup,
+              "packed weight expected from a8w8_pack (of this build)");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && colsum.scalar_type() == at::kInt, "w_scale fp32, colsum int32");
   const int64_t K = x_in.size(-1), N = w_scale.size(0);
-  const int64_t NP = packed.size(0), KG = packed.size(1), Kp = KG * 4;
-  TORCH_CHECK(Kp >= K && Kp - K < 4 && NP == (N + kPanel - 1) / kPanel, "x / packed weight mismatch");
+  const int64_t NP = packed.size(0), KG = packed.size(1), Kp = KG * kGroup;
+  TORCH_CHECK(Kp >= K && Kp - K < kGroup && NP == (N + kPanel - 1) / kPanel, "x / packed weight mismatch");
   auto x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y.reshape(sizes);
-  auto xu = at::empty({M, Kp}, x.options().dtype(at::kByte));
+  auto xu = at::empty({M, Kp}, x.options().dtype(kOffset ? at::kByte : at::kShort));
   auto scales = at::empty({M}, x.options().dtype(at::kFloat));
-  uint8_t* xup = xu.data_ptr<uint8_t>();
+  qx_t* xup = static_cast<qx_t*>(xu.data_ptr());
   float* sp = scales.data_ptr<float>();
   const float* wsp = w_scale.data_ptr<float>();
   const int32_t* csp = colsum.data_ptr<int32_t>();
   const int8_t* wp = packed.data_ptr<int8_t>();
-  const int64_t panel_bytes = KG * kPanel * 4;
+  const int64_t panel_bytes = KG * kPanel * kGroup;
   QK_DISPATCH_FLOAT(x.scalar_type(), "a8w8_linear", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
@@ -167,8 +228,16 @@ at::Tensor a8w8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
             const float s = sp[m0 + i];
             scalar_t* yrow = yp + (m0 + i) * N + n0;
             const int32_t* a = acc + i * kPanel;
-            for (int64_t j = 0; j < nb; ++j)   // (acc * s_t) * w_scale[n], the reference's order
-              yrow[j] = from_f<scalar_t>((static_cast<float>(a[j] - 128 * csp[n0 + j]) * s) * wsp[n0 + j]);
+            int64_t j = 0;
+#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+            const __m256 vs = _mm256_set1_ps(s);   // the scalar loop's two products, lane by lane
+            for (; j + 8 <= nb; j += 8)
+              store8x(yrow + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
+                                                                reinterpret_cast<const __m256i*>(a + j))), vs),
+                                              _mm256_loadu_ps(wsp + n0 + j)));
+#endif
+            for (; j < nb; ++j)   // (acc * s_t) * w_scale[n], the reference's order
+              yrow[j] = from_f<scalar_t>((static_cast<float>(a[j] - kOffset * csp[n0 + j]) * s) * wsp[n0 + j]);
           }
         }
       }

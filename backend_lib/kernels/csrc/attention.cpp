@@ -6,6 +6,31 @@
 namespace qk {
 namespace {
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 register tile: 16 keys (2 ymm) x NT <= 4 rows, one FMA chain over d per lane. kb points at the
+// tile's first key in its block (row stride KW); out gets columns k0..k0+15.
+template <int NT, typename CT>
+inline void score_tile8(const RowBlock& rb, int r0, const CT* kb, int64_t KW, int64_t D, float (*out)[kMaxKW], int k0) {
+  __m256 acc[NT][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0v = load8x(kb + d * KW), k1v = load8x(kb + d * KW + 8);
+#pragma GCC unroll 4
+    for (int i = 0; i < NT; ++i) {
+      const __m256 qb = _mm256_set1_ps(rb.q[r0 + i][d]);
+      acc[i][0] = _mm256_fmadd_ps(qb, k0v, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(qb, k1v, acc[i][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < NT; ++i) {
+    _mm256_storeu_ps(out[i] + k0, acc[i][0]);
+    _mm256_storeu_ps(out[i] + k0 + 8, acc[i][1]);
+  }
+}
+#endif
+
 // Raw scores of one key block (KW keys) for NR rows: sum over d of q[r][d] * K[d][j], one FMA chain
 // per lane. kb points at the block: [D, KW] contiguous.
 template <int NR, int KW, typename CT>
@@ -32,6 +57,11 @@ inline void score_dense(const RowBlock& rb, int r0, const CT* kb, int64_t D, flo
   for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v) _mm512_store_ps(out[i] + 16 * v, acc[i][v]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int k0 = 0; k0 < KW; k0 += 16) {
+    for (int t = 0; t + 4 <= NR; t += 4) score_tile8<4>(rb, r0 + t, kb + k0, KW, D, out + t, k0);
+    if constexpr (NR % 4 != 0) score_tile8<NR % 4>(rb, r0 + NR / 4 * 4, kb + k0, KW, D, out + NR / 4 * 4, k0);
+  }
 #else
   for (int i = 0; i < NR; ++i)
     for (int l = 0; l < KW; ++l) {
@@ -75,6 +105,12 @@ struct DenseValues {
   void pair(int64_t j, int64_t p, __m512& va, __m512& vb) const {
     va = load16x(page + j * D + 32 * p);
     vb = load16x(page + j * D + 32 * p + 16);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  std::pair<int64_t, int64_t> pair8_dims(int64_t p) const { return {16 * p, 16 * p + 8}; }
+  void pair8(int64_t j, int64_t p, __m256& va, __m256& vb) const {
+    va = load8x(page + j * D + 16 * p);
+    vb = load8x(page + j * D + 16 * p + 8);
   }
 #endif
 };

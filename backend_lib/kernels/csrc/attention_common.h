@@ -10,6 +10,7 @@
 // give bit-identical results for the same position.
 #pragma once
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -74,6 +75,39 @@ inline void softmax_update(RowBlock& rb, int r, float* s, int64_t n, int64_t D) 
     for (; d < D; ++d) a[d] *= alpha;
   }
   rb.mx[r] = bm;
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The AVX-512 code on 8 lanes: key j always lands in lane j % 8 and masked lanes add exact zeros,
+  // so a row's sum does not depend on how many keys the other rows of its block have.
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  __m256 vm = ninf;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
+  const __m256i tail = lanes_below(n - j);
+  if (j < n) vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, _mm256_maskload_ps(s + j, tail), _mm256_castsi256_ps(tail)));
+  const float bm = std::max(rb.mx[r], hmax8(vm));
+  const __m256 vb = _mm256_set1_ps(bm);
+  __m256 vsum = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vb));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  if (j < n) {
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_maskload_ps(s + j, tail), vb)), _mm256_castsi256_ps(tail));
+    _mm256_maskstore_ps(s + j, tail, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  const float sum = hsum8(vsum);
+  const float alpha = std::exp(rb.mx[r] - bm);
+  rb.den[r] = rb.den[r] * alpha + sum;
+  if (alpha != 1.0f) {
+    const __m256 va = _mm256_set1_ps(alpha);
+    float* a = rb.acc[r];
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), va));
+    for (; d < D; ++d) a[d] *= alpha;
+  }
+  rb.mx[r] = bm;
 #else
   float bm = rb.mx[r];
   for (int64_t j = 0; j < n; ++j) bm = std::max(bm, s[j]);
@@ -99,6 +133,14 @@ inline void store_scores(float* s, const float* raw, int64_t n, int64_t valid, f
     const int64_t v = std::max<int64_t>(0, std::min<int64_t>(16, valid - l));
     const __mmask16 ok = static_cast<__mmask16>((1u << v) - 1);
     _mm512_mask_storeu_ps(s + l, st, _mm512_mask_mul_ps(ninf, ok, _mm512_loadu_ps(raw + l), vs));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vs = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+  for (int64_t l = 0; l < n; l += 8) {   // raw holds kMaxKW >= n floats: the full loads stay inside it
+    const __m256i st = lanes_below(std::min<int64_t>(8, n - l));
+    const __m256i ok = lanes_below(std::max<int64_t>(0, std::min<int64_t>(8, valid - l)));
+    _mm256_maskstore_ps(s + l, st, _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(raw + l), vs),
+                                                      _mm256_castsi256_ps(ok)));
   }
 #else
   for (int64_t l = 0; l < n; ++l) s[l] = l < valid ? raw[l] * scale : -INFINITY;
@@ -195,11 +237,72 @@ inline void accumulate_pair_dispatch(RowBlock& rb, int r0, int nr, const float* 
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Value accumulation on AVX2: NR rows x NP chunk pairs (values.pair8(j, p, va, vb) loads the 8-dim
+// chunks at values.pair8_dims(p)), all accumulators in registers (16 ymm). Every accumulator lane is
+// one FMA chain over the keys in key order, whatever NR and NP: rows never depend on their block.
+template <int NR, int NP, bool Masked, typename Values>
+inline void accumulate8(RowBlock& rb, int r0, const float* w, int64_t w_stride, const int64_t* n, int64_t nk,
+                        int64_t p0, Values& values) {
+  int64_t dim[2 * NP];
+  for (int c = 0; c < NP; ++c) std::tie(dim[2 * c], dim[2 * c + 1]) = values.pair8_dims(p0 + c);
+  __m256 acc[NR][2 * NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < 2 * NP; ++c) acc[i][c] = _mm256_loadu_ps(rb.acc[r0 + i] + dim[c]);
+  for (int64_t j = 0; j < nk; ++j) {
+    __m256 v[2 * NP];
+#pragma GCC unroll 2
+    for (int c = 0; c < NP; ++c) values.pair8(j, p0 + c, v[2 * c], v[2 * c + 1]);
+#pragma GCC unroll 8
+    for (int i = 0; i < NR; ++i) {
+      if (!Masked || j < n[i]) {
+        const __m256 wv = _mm256_set1_ps(w[(r0 + i) * w_stride + j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 2 * NP; ++c) acc[i][c] = _mm256_fmadd_ps(wv, v[c], acc[i][c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < 2 * NP; ++c) _mm256_storeu_ps(rb.acc[r0 + i] + dim[c], acc[i][c]);
+}
+
+// rows <= 2 (decode with a small GQA group): 32 dims per pass; otherwise 16 dims x up to 6 rows.
+template <bool Masked, typename Values>
+inline void accumulate8_dispatch(RowBlock& rb, int r_first, int64_t D, const float* w, int64_t ws, const int64_t* n,
+                                 int64_t nk, Values& values) {
+  const int rows = rb.n - r_first;
+  const int64_t pairs = D / 16;
+  if (rows <= 2 && pairs % 2 == 0) {
+    for (int64_t p = 0; p < pairs; p += 2) {
+      if (rows == 2) accumulate8<2, 2, Masked>(rb, r_first, w, ws, n + r_first, nk, p, values);
+      else accumulate8<1, 2, Masked>(rb, r_first, w, ws, n + r_first, nk, p, values);
+    }
+    return;
+  }
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int r0 = r_first; r0 < rb.n; r0 += 6) {
+      switch (std::min(6, rb.n - r0)) {
+        case 6: accumulate8<6, 1, Masked>(rb, r0, w, ws, n + r0, nk, p, values); break;
+        case 5: accumulate8<5, 1, Masked>(rb, r0, w, ws, n + r0, nk, p, values); break;
+        case 4: accumulate8<4, 1, Masked>(rb, r0, w, ws, n + r0, nk, p, values); break;
+        case 3: accumulate8<3, 1, Masked>(rb, r0, w, ws, n + r0, nk, p, values); break;
+        case 2: accumulate8<2, 1, Masked>(rb, r0, w, ws, n + r0, nk, p, values); break;
+        default: accumulate8<1, 1, Masked>(rb, r0, w, ws, n + r0, nk, p, values); break;
+      }
+    }
+}
+#endif
+
 // Drives one row block over a sequence's pages.
 //   score(page, block, r0, nr, out[kScoreRows][kMaxKW]): raw scores of the KW keys of key block `block` for
 //     up to kScoreRows rows starting at r0;
 //   values(page): a value reader for the page with fold_scales(w, n) (no-op for dense caches), row(j, float*),
-//     full<DC>(j, __m512*), pair(j, p, va, vb) and pair_dims(p).
+//     full<DC>(j, __m512*), pair(j, p, va, vb) and pair_dims(p) (AVX-512), pair8(j, p, va, vb) and
+//     pair8_dims(p) (AVX2: D / 16 pairs of 8-dim chunks).
 template <typename Scorer, typename ValuesOf>
 void attend_rows(RowBlock& rb, const int32_t* block_table, int64_t S, int64_t D, float scale, Scorer&& score,
                  ValuesOf&& values_of) {
@@ -249,6 +352,14 @@ void attend_rows(RowBlock& rb, const int32_t* block_table, int64_t S, int64_t D,
           if (masked) accumulate_pair_dispatch<true>(rb, r0, nr, scores, S, n + r0, nk, pair, values);
           else accumulate_pair_dispatch<false>(rb, r0, nr, scores, S, n + r0, nk, pair, values);
         }
+      continue;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 16 == 0) {
+      bool masked = false;
+      for (int r = r_first; r < rb.n; ++r) masked |= n[r] < nk;
+      if (masked) accumulate8_dispatch<true>(rb, r_first, D, scores, S, n, nk, values);
+      else accumulate8_dispatch<false>(rb, r_first, D, scores, S, n, nk, values);
       continue;
     }
 #endif

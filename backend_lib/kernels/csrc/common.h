@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -70,6 +70,51 @@ inline void store16x(c10::BFloat16* p, __m512 v) {
 inline __m512 round_to(__m512 v, const float*) { return v; }
 inline __m512 round_to(__m512 v, const c10::BFloat16*) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(v)), 16));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 consecutive values as fp32 lanes (bf16 -> fp32 is a 16-bit shift).
+inline __m256 load8x(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8x(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+// fp32 lanes -> bf16, round to nearest even exactly as float_to_bf16_bits (NaN stays quiet).
+inline __m128i f32x8_to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i top = _mm256_srli_epi32(u, 16);
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                         _mm256_and_si256(top, _mm256_set1_epi32(1))), 16);
+  // |u| > inf as a signed compare is exact: the masked value is non-negative.
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+  // every lane is in [0, 0xffff], so the unsigned-saturating pack is a plain narrowing
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline void store8x(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8x(c10::BFloat16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), f32x8_to_bf16(v));
+}
+// Rounds fp32 lanes to T's precision and back (identity for float).
+inline __m256 round_to(__m256 v, const float*) { return v; }
+inline __m256 round_to(__m256 v, const c10::BFloat16*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(f32x8_to_bf16(v)), 16));
+}
+// Horizontal max / sum of 8 lanes in a fixed order (the same for every row).
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
 }
 #endif
 

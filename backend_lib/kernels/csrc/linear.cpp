@@ -4,7 +4,8 @@
 // a k-pair, the AVX512-BF16 dot-product layout), fp32 weights as [N/64][K][64]. x values are
 // broadcast and every output lane accumulates its own dot product sequentially over k: the order is
 // fixed whatever M is and whichever rows share the call, so a token's result never depends on its
-// batch. Up to 6 x-rows share every weight load; a panel is one sequential memory stream.
+// batch. Up to 6 x-rows share every weight load; a panel is one sequential memory stream (on AVX2 a
+// tile of 2..6 x rows covers 8 to 32 of the panel's rows per pass over k; a single row takes all 64).
 #include "common.h"
 
 namespace qk {
@@ -106,6 +107,69 @@ inline void panel_bf16_dp(const c10::BFloat16* x, int64_t ldx, const c10::BFloat
 #endif
 #endif  // __AVX512F__
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2: 16 ymm hold MB x NJ accumulators (8 output rows each) plus the weights of one k (or k-pair) and
+// the broadcast x values, so a call covers NJ of the panel's 8 row groups; panel_kernel walks the
+// groups. Each lane still runs one FMA chain over k in order (for bf16: even k, then odd k, as the
+// AVX-512 kernel), so the tiling never changes a result.
+template <int MB> constexpr int kGroups8 = MB == 1 ? 8 : MB == 2 ? 4 : MB <= 4 ? 2 : 1;
+
+template <int MB, int NJ, typename XT>
+inline void panel_bf16_avx2(const XT* x, int64_t ldx, const c10::BFloat16* panel, int64_t KG, float* out, int j0) {
+  __m256 acc[MB][NJ];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t g = 0; g < KG; ++g) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(panel) + g * 128 + j0 * 16;
+    __m256 we[NJ], wo[NJ];
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) {   // 8 rows x a k-pair: even k in the low half of each 32-bit lane
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 16));
+      we[j] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      wo[j] = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m256 x0 = _mm256_set1_ps(to_f(x[i * ldx + 2 * g])), x1 = _mm256_set1_ps(to_f(x[i * ldx + 2 * g + 1]));
+#pragma GCC unroll 8
+      for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_fmadd_ps(x1, wo[j], _mm256_fmadd_ps(x0, we[j], acc[i][j]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(out + i * kPanel + (j0 + j) * 8, acc[i][j]);
+}
+
+template <int MB, int NJ, typename XT>
+inline void panel_f32_avx2(const XT* x, int64_t ldx, const float* panel, int64_t K, float* out, int j0) {
+  __m256 acc[MB][NJ];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* p = panel + k * kPanel + j0 * 8;
+    __m256 w[NJ];
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) w[j] = _mm256_loadu_ps(p + j * 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xv = _mm256_set1_ps(to_f(x[i * ldx + k]));
+#pragma GCC unroll 8
+      for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(out + i * kPanel + (j0 + j) * 8, acc[i][j]);
+}
+#endif
+
 // Portable panel kernel: each output accumulates sequentially over k (pairs for bf16 panels).
 template <int MB, typename XT, typename WT>
 inline void panel_scalar(const XT* x, int64_t ldx, const WT* panel, int64_t K, float* out) {
@@ -137,6 +201,12 @@ inline void panel_kernel(const XT* x, int64_t ldx, const WT* panel, int64_t Kp, 
 #endif
     panel_bf16_fma<MB>(x, ldx, panel, Kp / 2, out);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  constexpr int NJ = kGroups8<MB>;
+  for (int j0 = 0; j0 < kPanel / 8; j0 += NJ) {
+    if constexpr (std::is_same_v<WT, float>) panel_f32_avx2<MB, NJ>(x, ldx, panel, Kp, out, j0);
+    else panel_bf16_avx2<MB, NJ>(x, ldx, panel, Kp / 2, out, j0);
+  }
 #else
   panel_scalar<MB>(x, ldx, panel, Kp, out);
 #endif
@@ -167,8 +237,13 @@ void linear_impl(const XT* x, int64_t Kp, const WT* wp, OT* y, int64_t M, int64_
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
         panel_rows(mb, x + m0 * Kp, Kp, panel, Kp, acc);
-        for (int i = 0; i < mb; ++i)
-          for (int64_t j = 0; j < nb; ++j) y[(m0 + i) * N + n0 + j] = from_f<OT>(acc[i * kPanel + j]);
+        for (int i = 0; i < mb; ++i) {
+          int64_t j = 0;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+          for (; j + 8 <= nb; j += 8) store8x(y + (m0 + i) * N + n0 + j, _mm256_loadu_ps(acc + i * kPanel + j));
+#endif
+          for (; j < nb; ++j) y[(m0 + i) * N + n0 + j] = from_f<OT>(acc[i * kPanel + j]);
+        }
       }
     }
   });
@@ -225,8 +300,12 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_
   TORCH_CHECK(Kp >= K && Kp - K < packed.size(3) && NP == (N + kPanel - 1) / kPanel, "x / packed weight mismatch");
   auto x = x_in.reshape({-1, K}).contiguous();
   if (Kp != K) x = at::constant_pad_nd(x, {0, Kp - K});   // odd K with bf16 pairs
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  // bf16 -> fp32 is exact: widening x once makes every broadcast in the AVX2 kernels a plain load
+  if (x.scalar_type() == at::kBFloat16) x = x.to(at::kFloat);
+#endif
   const int64_t M = x.size(0);
-  auto odt = out_dtype.value_or(x.scalar_type());
+  auto odt = out_dtype.value_or(x_in.scalar_type());
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
   auto y = at::empty({M, N}, x.options().dtype(odt));

@@ -18,6 +18,17 @@ inline float inv_rms(const T* h, int64_t D, float eps) {
     }
     _mm512_storeu_ps(part, acc);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (D % 16 == 0) {   // two ymm = the 16 partial sums of the AVX-512 kernel, the same FMAs and tree
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; k < D; k += 16) {
+      const __m256 v0 = load8x(h + k), v1 = load8x(h + k + 8);
+      acc0 = _mm256_fmadd_ps(v0, v0, acc0);
+      acc1 = _mm256_fmadd_ps(v1, v1, acc1);
+    }
+    _mm256_storeu_ps(part, acc0);
+    _mm256_storeu_ps(part + 8, acc1);
+  }
 #endif
   for (; k < D; ++k) {
     const float v = to_f(h[k]);
@@ -39,6 +50,10 @@ inline void scale_row(const T* h, const T* w, T* out, int64_t D, float inv) {
       store16x(out + k, _mm512_mul_ps(load16x(w + k), round_to(_mm512_mul_ps(load16x(h + k), vi), h)));
     return;
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vi = _mm256_set1_ps(inv);   // the scalar loop's operations, 8 lanes at a time
+  for (; k + 8 <= D; k += 8)
+    store8x(out + k, _mm256_mul_ps(load8x(w + k), round_to(_mm256_mul_ps(load8x(h + k), vi), h)));
 #endif
   for (; k < D; ++k) out[k] = from_f<T>(to_f(w[k]) * to_f(from_f<T>(to_f(h[k]) * inv)));
 }
@@ -51,6 +66,8 @@ inline void add_row(const T* x, const T* r, T* h, int64_t D) {
     for (; k < D; k += 16) store16x(h + k, _mm512_add_ps(load16x(x + k), load16x(r + k)));
     return;
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; k + 8 <= D; k += 8) store8x(h + k, _mm256_add_ps(load8x(x + k), load8x(r + k)));
 #endif
   for (; k < D; ++k) h[k] = from_f<T>(to_f(x[k]) + to_f(r[k]));
 }
@@ -177,6 +194,13 @@ at::Tensor silu_mul(const at::Tensor& x_in) {
           const __m512 gv = load16x(g + i);
           const __m512 sv = round_to(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), g);
           store16x(op + r * I + i, _mm512_mul_ps(sv, load16x(u + i)));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= I; i += 8) {
+          const __m256 gv = load8x(g + i);
+          const __m256 sv = round_to(_mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)))), g);
+          store8x(op + r * I + i, _mm256_mul_ps(sv, load8x(u + i)));
         }
 #endif
         for (; i < I; ++i) {

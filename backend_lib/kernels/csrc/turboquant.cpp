@@ -77,6 +77,55 @@ inline void unpack_row(const uint8_t* codes, const float* cents, int64_t D, floa
   }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The 16-entry centroid table on AVX2: vpermps looks up 8 entries by the low 3 bits of each index, and
+// bit 3 (shifted into the sign bit, which is all blendv reads) picks the upper half. Index bits above
+// bit 3 are ignored, so a low nibble needs no mask.
+struct Table16 {
+  __m256 lo, hi;
+  explicit Table16(const float* cents) : lo(_mm256_loadu_ps(cents)), hi(_mm256_loadu_ps(cents + 8)) {}
+  __m256 operator()(__m256i idx) const {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+  }
+};
+
+// 8 code bytes as int32 lanes.
+inline __m256i load8_codes(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// AVX2 register tile: 16 keys x NT <= 3 rows (16 ymm with the table and the decoded keys), the same
+// FMA chain per lane as the AVX-512 kernel. kb points at the tile's first key; out gets columns k0..k0+15.
+template <int NT>
+inline void score_codes_tile8(const RowBlock& rb, int r0, const uint8_t* kb, const float* ks, int64_t KW, int64_t D,
+                              const Table16& table, float (*out)[kMaxKW], int k0) {
+  const int64_t h = D / 2;
+  __m256 acc[NT][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < h; ++c) {
+    __m256 klo[2], khi[2];
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      const __m256i x = load8_codes(kb + c * KW + 8 * v);
+      klo[v] = table(x);
+      khi[v] = table(_mm256_srli_epi32(x, 4));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NT; ++i) {
+      const __m256 ql = _mm256_set1_ps(rb.q[r0 + i][c]), qh = _mm256_set1_ps(rb.q[r0 + i][c + h]);
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v) acc[i][v] = _mm256_fmadd_ps(qh, khi[v], _mm256_fmadd_ps(ql, klo[v], acc[i][v]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < NT; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(out[i] + k0 + 8 * v, _mm256_mul_ps(acc[i][v], _mm256_loadu_ps(ks + 8 * v)));
+}
+#endif
+
 // Raw scores of one key block (KW keys) for NR rows straight from the nibble codes: the block is
 // [D/2, KW] bytes, byte c of key j holding dims c (low nibble) and c + D/2 (high nibble); lanes are keys.
 template <int NR, int KW>
@@ -110,6 +159,13 @@ inline void score_codes(const RowBlock& rb, int r0, const uint8_t* kb, const flo
   for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v) _mm512_store_ps(out[i] + 16 * v, _mm512_mul_ps(acc[i][v], _mm512_loadu_ps(ks + 16 * v)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const Table16 table(cents);
+  for (int k0 = 0; k0 < KW; k0 += 16) {
+    for (int t = 0; t + 3 <= NR; t += 3) score_codes_tile8<3>(rb, r0 + t, kb + k0, ks + k0, KW, D, table, out + t, k0);
+    if constexpr (NR % 3 != 0)
+      score_codes_tile8<NR % 3>(rb, r0 + NR / 3 * 3, kb + k0, ks + k0, KW, D, table, out + NR / 3 * 3, k0);
+  }
 #else
   for (int i = 0; i < NR; ++i)
     for (int l = 0; l < KW; ++l) {
@@ -164,6 +220,15 @@ struct CodeValues {
     const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * (D / 2) + 16 * p)));
     va = _mm512_permutexvar_ps(x, table);
     vb = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), table);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // pair p: dims [8p, 8p + 8) (low nibbles of bytes 8p..8p+7) and [8p + D/2, ...) (their high nibbles)
+  std::pair<int64_t, int64_t> pair8_dims(int64_t p) const { return {8 * p, 8 * p + D / 2}; }
+  void pair8(int64_t j, int64_t p, __m256& va, __m256& vb) const {
+    const Table16 table(cents);
+    const __m256i x = load8_codes(codes + j * (D / 2) + 8 * p);
+    va = table(x);
+    vb = table(_mm256_srli_epi32(x, 4));
   }
 #endif
 };
