@@ -35,6 +35,7 @@ model = Qwen3ForCausalLM.from_checkpoint(WeightStore(ckpt), mc, parse_quantizati
                                          torch.bfloat16, torch.device("cpu"), kernels, 512)
 trim_host_memory()
 loaded = status()
+loaded["mapped"] = [line.split()[-1] for line in open("/proc/self/maps") if ".safetensors" in line]
 held = sum(t.numel() * t.element_size() for m in model.modules()
            for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
            + [x for x in (getattr(m, "prepared", None) or ()) if isinstance(x, torch.Tensor)]) / 2**20
@@ -56,8 +57,9 @@ def test_weights_are_resident_once_after_load(ckpts, fmt):
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     base, loaded = r["base"], r["loaded"]
     assert size > 100
-    # the file's pages were read while loading; none stay mapped
-    assert loaded["RssFile"] - base["RssFile"] < 0.1 * size, r
+    # the file's pages were read while loading; the file is no longer mapped (other file-backed pages, the
+    # libraries loading touched, grow by ~10-20 MiB)
+    assert loaded["mapped"] == [] and loaded["RssFile"] - base["RssFile"] < 0.4 * size, r
     # anonymous growth: the weights in their packed form and small change, never a second copy
     assert loaded["RssAnon"] - base["RssAnon"] < r["held_mib"] + 24, r
     # the peak while loading: what stays plus one raw tensor being packed (the head: its file pages and its

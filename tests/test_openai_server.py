@@ -508,7 +508,8 @@ def test_a_disconnect_storm_never_takes_the_server_down(triton, front, client):
     freed_s = time.time() - t1
     storms = STORM_WAVES * STORM_WAVE_SIZE
     assert triton.wait_until(lambda: sum(triton.finished_total(m, "abort") - aborted[m] for m in STORM_MODELS)
-                             >= storms, 10)
+                             >= storms, 30), {(m, r): triton.finished_total(m, r) for m in STORM_MODELS
+                                              for r in ("stop", "length", "abort", "cancelled", "error")}
     aborts = {m: triton.finished_total(m, "abort") - aborted[m] for m in STORM_MODELS}
     assert {m: triton.finished_total(m, "cancelled") - cancelled[m] for m in STORM_MODELS} == {m: 0 for m in STORM_MODELS}
     assert triton.proc.poll() is None and front.proc.poll() is None
