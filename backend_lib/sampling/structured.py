@@ -25,6 +25,7 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -226,8 +227,9 @@ def apply_mask(row: torch.Tensor, mask: torch.Tensor) -> None:
 class GrammarCompiler:
     """Compiles specs for one tokenizer; thread-safe (admission may run in several threads)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int], think_end_id: int | None):
-        self._tokenizer_json = tokenizer_json
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_ids: list[int],
+                 think_end_id: int | None):
+        self._tokenizer_json = tokenizer_json   # called once, on the first constrained request
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.think_end_id = think_end_id
@@ -238,7 +240,7 @@ class GrammarCompiler:
     def _llg_tokenizer(self):
         if self._tokenizer is None:
             import llguidance
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
                                                      eos_token=self.eos_ids)
         return self._tokenizer
 
