@@ -8,7 +8,7 @@ serves (`partition`); each engine pins its thread, and with it the team that thr
 set (`apply`), and sizes the team to it. An operator may give any model its own `cpu_cores` /
 `num_threads` (config.pbtxt or $<MODEL>_CPU_CORES), including overlapping sets; then the wait policy
 matters, and the launcher shortens libgomp's spin (GOMP_SPINCOUNT) so that a waiting thread yields the
-core soon instead of spinning against a descheduled partner.
+core soon instead of spinning against a descheduled partner (any other process on the cores, too).
 """
 from __future__ import annotations
 
@@ -17,9 +17,13 @@ import os
 
 log = logging.getLogger(__name__)
 
-# libgomp spins this many iterations (~tens of microseconds) before sleeping at a barrier; its default
-# (300,000; ~0.1-1 ms) is what makes two teams on the same cores spin against each other.
-SPIN_COUNT = "10000"
+# libgomp spins this many iterations before sleeping at a barrier; its default (300,000; ~0.1-1 ms) is what
+# makes a team spin against a partner descheduled for another process. Measured (`python -m bench.cotenancy
+# --policy ""`, 0.6B A8W8, batch-4 decode in-process beside a process keeping one of the 2 cores busy):
+# default spin 0.33 of its speed alone, 1,000 spins 0.49 (its fair share: 0.5), speed alone unchanged
+# (58.7 vs 54.5 tokens/s, noise); 10,000 spins did not help (0.21 on the tiny model, as the default).
+# libgomp reads it when it loads, so it is set in the server's environment (the launcher), not here.
+SPIN_COUNT = "1000"
 
 
 def parse_cores(spec: str, field: str = "cpu_cores") -> list[int]:

@@ -115,7 +115,7 @@ def main() -> None:
     ck = ensure_checkpoints(args.size)
     out = Path(tempfile.mkdtemp(prefix="cotenancy-"))
     results = {"size": args.size, "concurrency": args.concurrency, "tokens": args.tokens, "cases": []}
-    for policy in args.policy.split(","):
+    for policy in filter(None, args.policy.split(",")):
         r = server_case(ck, policy, args.concurrency, args.tokens, out)
         results["cases"].append(r)
         print(f"{policy:>8}: solo {r['solo_tok_s']['qwen3_a8w8']:.1f} + {r['solo_tok_s']['qwen3_tq']:.1f} tok/s; both "
