@@ -298,8 +298,9 @@ class TritonLLMModel:
         if state.done:
             return
         pb = self.pb
-        # No is_cancelled() here: it is a round trip to the server process, and per token it was the largest
-        # cost of serving a token after the send itself. The sweep checks every request each CANCEL_SWEEP_S.
+        if not self._exiting and state.sender.is_cancelled():
+            self._cancel(state)
+            return
         now = time.perf_counter()
         if out.new_token_ids:
             first = state.last_token_at is None
