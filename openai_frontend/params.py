@@ -210,9 +210,10 @@ def _structured(gen: Generation, body: dict, forced: str | None = None) -> None:
             gen.sampling["structured_outputs"] = so
         gen.sampling.update(guided)
         return
-    if guided and any(k in GUIDED_ALIASES for k in guided):
-        raise bad_request(f"{next(iter(guided))}: one constraint per request (response_format or tools given)",
-                          next(iter(guided)))
+    aliases = [k for k in guided if k in GUIDED_ALIASES]
+    if aliases:
+        raise bad_request(f"{aliases[0]}: one constraint per request (response_format or tools given)", aliases[0])
+    gen.sampling.update(guided)   # guided_decoding_backend / guided_whitespace_pattern: the engine checks them
     options = {}
     if so is not None:   # only options (disable_any_whitespace, whitespace_pattern) may come with it
         try:
