@@ -4,7 +4,12 @@ A worker loads its model once, prints READY, then answers one JSON command per s
 `RESULT {json}` line, so that the orchestrator can interleave the systems measurement by measurement:
   {"op": "decode", "batch": B, "prompt_len": P, "new_tokens": N} -> {"full_s", "prefill_s"}
       one generation of N tokens and one of 1 token for the batch (their difference is the decode time)
-  {"op": "ttft", "prompt_len": P} -> {"ttft_s"}   one 1-token generation of one prompt
+  {"op": "ttft", "prompt_len": P[, "seed": K]} -> {"ttft_s"}   one 1-token generation of one prompt
+  {"op": "long_decode", "base_len": L, "context": C, "batch": B, "new_tokens": N, "seed": K}
+      -> {"warm_s", "full_s", "prefill_s"}: B prompts of C tokens that share the first C - 16 tokens of one
+      L-token base prompt (seed K) and end in distinct 16-token tails; a 1-token generation of the batch
+      first puts the shared context in the prefix cache (warm_s), then full_s / prefill_s as for "decode",
+      both on a warm cache: their difference is decode time at context C, each sequence reading its C keys
   {"op": "multiturn", "conversations": C, "system_len": S, "turns": T, "user_len": U, "reply_len": R, "seed": K}
       -> {"ttft_s": [[per conversation] per turn], "total_s"}: C chats that share an S-token system prompt, T
       turns each; a turn is a 1-token generation of the history (its time to first token) and an R-token
@@ -60,6 +65,15 @@ def _multiturn(run, conversations, system_len, turns, user_len, reply_len, seed)
     return {"ttft_s": ttft, "total_s": time.perf_counter() - t0}
 
 
+def _long_decode(run, base_len, context, batch, new_tokens, seed) -> dict:
+    base = prompts(1, base_len, seed=seed)[0][:context - 16]
+    ps = [base + tail for tail in prompts(batch, 16, seed=seed + 1)]
+    warm = _timed(lambda: run(ps[:1], 1)) + _timed(lambda: run(ps, 1))   # the first one fills the cache
+    full = _timed(lambda: run(ps, new_tokens))
+    prefill = _timed(lambda: run(ps, 1))
+    return {"warm_s": warm, "full_s": full, "prefill_s": prefill}
+
+
 def _shared_prefix(run, requests, prefix_len, question_len, seed) -> dict:
     prefix = prompts(1, prefix_len, seed=seed)[0]
     questions = prompts(requests, question_len, seed=seed + 1)
@@ -111,10 +125,12 @@ def serve(run) -> None:
             prefill = _timed(lambda: run(ps, 1))
             out = {"full_s": full, "prefill_s": prefill}
         elif cmd["op"] == "ttft":
-            ps = prompts(1, cmd["prompt_len"])
+            ps = prompts(1, cmd["prompt_len"], seed=cmd.get("seed", 0))
             out = {"ttft_s": _timed(lambda: run(ps, 1))}
         elif cmd["op"] == "multiturn":
             out = _multiturn(run, **{k: v for k, v in cmd.items() if k != "op"})
+        elif cmd["op"] == "long_decode":
+            out = _long_decode(run, **{k: v for k, v in cmd.items() if k != "op"})
         elif cmd["op"] == "memory":
             out = memory()
         elif cmd["op"] == "shared_prefix":

@@ -151,9 +151,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       const CT* kc = k_cache.data_ptr<CT>();
       const CT* vc = v_cache.data_ptr<CT>();
       const int32_t* btp = bt.data_ptr<int32_t>();
-      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-        RowBlock rb;
-        for (int64_t it = i0; it < i1; ++it) {
+      for_each_item(static_cast<int64_t>(items.size()), [&](int64_t it, RowBlock& rb) {
+        {
           const WorkItem& w = items[it];
           load_rows(rb, w, qs, ls, G, H, D, qp, copy_row);
           auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {

@@ -317,9 +317,8 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
   QK_DISPATCH_FLOAT(q.scalar_type(), "tq_paged_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-      RowBlock rb;
-      for (int64_t it = i0; it < i1; ++it) {
+    for_each_item(static_cast<int64_t>(items.size()), [&](int64_t it, RowBlock& rb) {
+      {
         const WorkItem& w = items[it];
         load_rows(rb, w, qs, ls, G, H, D, qp,   // rotate each query once
                   [&](const float* src, float* dst, int64_t n) { rotate_row(src, Rp, n, dst); });
