@@ -20,7 +20,7 @@
 namespace qk {
 
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxRows = 16;    // rows per work item
+constexpr int kMaxRows = 32;    // rows per work item
 constexpr int kMaxKW = 32;      // keys per score block (at most)
 constexpr int kScoreRows = 8;   // rows scored together against one key block
 

@@ -126,6 +126,77 @@ inline void score_codes_tile8(const RowBlock& rb, int r0, const uint8_t* kb, con
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Prefill on AVX2: decoding a key block costs more uops than the FMAs of 3 rows, so an item of many rows
+// decodes each block once into fp32 ([D/2][2][KW]: dim c then dim c + D/2, the order the code tile walks)
+// and scores it with a 4-row tile. Same values (table lookups are exact), same FMA chain per lane as
+// score_codes_tile8: a row's scores do not depend on which path its block took.
+inline void decode_key_block(const uint8_t* kb, int64_t KW, int64_t D, const Table16& table, float* out) {
+  for (int64_t c = 0; c < D / 2; ++c)
+    for (int64_t l = 0; l < KW; l += 8) {
+      const __m256i x = load8_codes(kb + c * KW + l);
+      _mm256_storeu_ps(out + 2 * c * KW + l, table(x));
+      _mm256_storeu_ps(out + (2 * c + 1) * KW + l, table(_mm256_srli_epi32(x, 4)));
+    }
+}
+
+template <int NT>
+inline void score_decoded_tile8(const RowBlock& rb, int r0, const float* kd, const float* ks, int64_t KW, int64_t D,
+                                float (*out)[kMaxKW], int k0) {
+  const int64_t h = D / 2;
+  __m256 acc[NT][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < h; ++c) {
+    const float* lo = kd + 2 * c * KW + k0;
+    const __m256 klo0 = _mm256_loadu_ps(lo), klo1 = _mm256_loadu_ps(lo + 8);
+    const __m256 khi0 = _mm256_loadu_ps(lo + KW), khi1 = _mm256_loadu_ps(lo + KW + 8);
+#pragma GCC unroll 4
+    for (int i = 0; i < NT; ++i) {
+      const __m256 ql = _mm256_set1_ps(rb.q[r0 + i][c]), qh = _mm256_set1_ps(rb.q[r0 + i][c + h]);
+      acc[i][0] = _mm256_fmadd_ps(qh, khi0, _mm256_fmadd_ps(ql, klo0, acc[i][0]));
+      acc[i][1] = _mm256_fmadd_ps(qh, khi1, _mm256_fmadd_ps(ql, klo1, acc[i][1]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < NT; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(out[i] + k0 + 8 * v, _mm256_mul_ps(acc[i][v], _mm256_loadu_ps(ks + 8 * v)));
+}
+
+inline void score_decoded_rows(const RowBlock& rb, int r0, int nr, const float* kd, const float* ks, int64_t KW,
+                               int64_t D, float (*out)[kMaxKW]) {
+  for (int k0 = 0; k0 < KW; k0 += 16) {
+    int t = 0;
+    for (; t + 4 <= nr; t += 4) score_decoded_tile8<4>(rb, r0 + t, kd, ks + k0, KW, D, out + t, k0);
+    switch (nr - t) {
+      case 3: score_decoded_tile8<3>(rb, r0 + t, kd, ks + k0, KW, D, out + t, k0); break;
+      case 2: score_decoded_tile8<2>(rb, r0 + t, kd, ks + k0, KW, D, out + t, k0); break;
+      case 1: score_decoded_tile8<1>(rb, r0 + t, kd, ks + k0, KW, D, out + t, k0); break;
+      default: break;
+    }
+  }
+}
+
+// The value rows of a page ([S][D/2] codes) as fp32 rows in dimension order, for the same reason.
+inline void decode_value_page(const uint8_t* codes, int64_t rows, int64_t D, const Table16& table, float* out) {
+  const int64_t h = D / 2;
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t c = 0; c < h; c += 8) {
+      const __m256i x = load8_codes(codes + j * h + c);
+      _mm256_storeu_ps(out + j * D + c, table(x));
+      _mm256_storeu_ps(out + j * D + h + c, table(_mm256_srli_epi32(x, 4)));
+    }
+}
+
+// Per-thread buffers of the decoded path; key_block names the block that k holds, reset per item (a
+// cache page's contents change between calls).
+struct DecodeScratch {
+  const uint8_t* key_block = nullptr;
+  std::vector<float> k, v;
+};
+#endif
+
 // Raw scores of one key block (KW keys) for NR rows straight from the nibble codes: the block is
 // [D/2, KW] bytes, byte c of key j holding dims c (low nibble) and c + D/2 (high nibble); lanes are keys.
 template <int NR, int KW>
@@ -224,7 +295,13 @@ struct CodeValues {
 #elif defined(__AVX2__) && defined(__FMA__)
   // pair p: dims [8p, 8p + 8) (low nibbles of bytes 8p..8p+7) and [8p + D/2, ...) (their high nibbles)
   std::pair<int64_t, int64_t> pair8_dims(int64_t p) const { return {8 * p, 8 * p + D / 2}; }
+  const float* decoded = nullptr;   // the page's rows decoded (decode_value_page), or read from the codes
   void pair8(int64_t j, int64_t p, __m256& va, __m256& vb) const {
+    if (decoded) {
+      va = _mm256_loadu_ps(decoded + j * D + 8 * p);
+      vb = _mm256_loadu_ps(decoded + j * D + 8 * p + D / 2);
+      return;
+    }
     const Table16 table(cents);
     const __m256i x = load8_codes(codes + j * (D / 2) + 8 * p);
     va = table(x);
@@ -322,14 +399,41 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
         const WorkItem& w = items[it];
         load_rows(rb, w, qs, ls, G, H, D, qp,   // rotate each query once
                   [&](const float* src, float* dst, int64_t n) { rotate_row(src, Rp, n, dst); });
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        // many rows (prefill): decode each key block and value page once for the item, not once per tile
+        const bool decode_once = rb.n >= 4 && D % 16 == 0;
+        static thread_local DecodeScratch scratch;
+        scratch.key_block = nullptr;
+        const Table16 table(cp);
+#endif
         auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
           const int64_t slot = (page * KVH + w.kv_head) * S + block * KW;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+          if (decode_once) {
+            const uint8_t* kb = kcp + slot * hd;
+            if (scratch.key_block != kb) {
+              scratch.k.resize(static_cast<size_t>(D) * KW);
+              decode_key_block(kb, KW, D, table, scratch.k.data());
+              scratch.key_block = kb;
+            }
+            score_decoded_rows(rb, r0, nr, scratch.k.data(), ksp + slot, KW, D, o);
+            return;
+          }
+#endif
           if (KW == 32) score_codes_rows<32>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
           else score_codes_rows<16>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
         };
         auto values = [&](int64_t page) {
           const int64_t slot = (page * KVH + w.kv_head) * S;
-          return CodeValues{vcp + slot * hd, vsp + slot, cp, D};
+          CodeValues values{vcp + slot * hd, vsp + slot, cp, D};
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+          if (decode_once) {
+            scratch.v.resize(static_cast<size_t>(S) * D);
+            decode_value_page(values.codes, S, D, table, scratch.v.data());
+            values.decoded = scratch.v.data();
+          }
+#endif
+          return values;
         };
         attend_rows(rb, bt.data_ptr<int32_t>() + w.seq * max_pages, S, D, sm, score, values);
         store_rows(rb, w, G, H, D, op,   // de-rotate once per head and step
