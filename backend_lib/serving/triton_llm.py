@@ -1,9 +1,9 @@
 """The Triton Python-backend model of an LLM (decoupled): thin glue between Triton and the engine.
 
 execute() validates each request and hands it to the EngineLoop; a response thread of its own
-turns engine outputs into Triton responses (never the decode loop), checks cancellation on every
-output and in a periodic sweep, and aborts cancelled requests in the engine, which frees their
-pages at once. The model reads engine state only through the loop's stats snapshot.
+turns engine outputs into Triton responses (never the decode loop), checks cancellation in a
+periodic sweep (not per output: is_cancelled() is a round trip to the server process), and aborts
+cancelled requests in the engine, which frees their pages at once. The model reads engine state only through the loop's stats snapshot.
 """
 from __future__ import annotations
 
@@ -226,6 +226,9 @@ class TritonLLMModel:
         if state is not None:
             log.info("%s: request %s aborted by the client", self.name, state.rid)
             self.loop.abort(state.rid, reason="abort")
+        else:
+            log.info("%s: abort of request %s: it is not running (finished before its abort arrived)", self.name,
+                     target)
         sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _send_error(self, sender, message: str, code) -> None:
@@ -251,9 +254,11 @@ class TritonLLMModel:
                     self._handle(state, out)
                 except Exception:   # e.g. the client is gone: stop generating for it
                     log.exception("%s: sending a response failed; aborting %s", self.name, state.rid)
-                    if not out.finished:
-                        self.loop.abort(state.rid)
-                    self._close(state)
+                    if not state.done:   # else it was closed and counted before its final send
+                        if not out.finished:
+                            self.loop.abort(state.rid)
+                        self._close(state)
+                        self._count_final(state, "cancelled")
             except queue.Empty:
                 pass
             now = time.perf_counter()
@@ -298,9 +303,9 @@ class TritonLLMModel:
         if state.done:
             return
         pb = self.pb
-        if not self._exiting and state.sender.is_cancelled():
-            self._cancel(state)
-            return
+        # No is_cancelled() per token: it is a round trip to the server process, and per token it was the
+        # largest cost of serving a token after the send itself. The sweep checks every open request each
+        # CANCEL_SWEEP_S, and a send to a client that is gone fails (the respond loop then aborts the request).
         now = time.perf_counter()
         if out.new_token_ids:
             first = state.last_token_at is None
