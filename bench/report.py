@@ -95,7 +95,7 @@ def _long_table(rows: list[dict]) -> list[str]:
                     f"{dec[(tq, c, b)] / dec[(other, c, b)]:.2f}x" for c, b in cols) + " |")
     cap = [r for r in long if r["mode"] == "capacity"]
     if cap:
-        keys = sorted(k for k in cap[0] if k.startswith("sequences_"))
+        keys = sorted((k for k in cap[0] if k.startswith("sequences_")), key=lambda k: int(k[10:]))
         md += ["", f"What a {cap[0]['kv_budget']} KV budget holds:", "",
                "| system | bytes per token | tokens | " + " | ".join(f"{k[10:]}-token sequences" for k in keys)
                + " |", "|---|---|---|" + "---|" * len(keys)]

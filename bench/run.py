@@ -325,7 +325,7 @@ def machine_info() -> dict:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    isa = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags.split()]
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags.split()]
     return {"cpu": cpu, "cores": os.cpu_count(), "isa": isa, "torch": torch.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
 

@@ -148,14 +148,24 @@ inline void score_decoded_tile8(const RowBlock& rb, int r0, const float* kd, con
 #pragma GCC unroll 4
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t c = 0; c < h; ++c) {
+    // every accumulator: fma(q[c], k[c]) then fma(q[c + h], k[c + h]), as in the code tile; the low dims of
+    // all rows first, so that two key vectors are live at a time and stay in registers
     const float* lo = kd + 2 * c * KW + k0;
-    const __m256 klo0 = _mm256_loadu_ps(lo), klo1 = _mm256_loadu_ps(lo + 8);
-    const __m256 khi0 = _mm256_loadu_ps(lo + KW), khi1 = _mm256_loadu_ps(lo + KW + 8);
+    __m256 klo0 = _mm256_loadu_ps(lo), klo1 = _mm256_loadu_ps(lo + 8);
+    __asm__("" : "+x"(klo0), "+x"(klo1));   // loaded once: GCC would fold a load into every FMA
 #pragma GCC unroll 4
     for (int i = 0; i < NT; ++i) {
-      const __m256 ql = _mm256_set1_ps(rb.q[r0 + i][c]), qh = _mm256_set1_ps(rb.q[r0 + i][c + h]);
-      acc[i][0] = _mm256_fmadd_ps(qh, khi0, _mm256_fmadd_ps(ql, klo0, acc[i][0]));
-      acc[i][1] = _mm256_fmadd_ps(qh, khi1, _mm256_fmadd_ps(ql, klo1, acc[i][1]));
+      const __m256 ql = _mm256_set1_ps(rb.q[r0 + i][c]);
+      acc[i][0] = _mm256_fmadd_ps(ql, klo0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(ql, klo1, acc[i][1]);
+    }
+    __m256 khi0 = _mm256_loadu_ps(lo + KW), khi1 = _mm256_loadu_ps(lo + KW + 8);
+    __asm__("" : "+x"(khi0), "+x"(khi1));
+#pragma GCC unroll 4
+    for (int i = 0; i < NT; ++i) {
+      const __m256 qh = _mm256_set1_ps(rb.q[r0 + i][c + h]);
+      acc[i][0] = _mm256_fmadd_ps(qh, khi0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(qh, khi1, acc[i][1]);
     }
   }
 #pragma GCC unroll 4
