@@ -152,18 +152,16 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       const CT* vc = v_cache.data_ptr<CT>();
       const int32_t* btp = bt.data_ptr<int32_t>();
       for_each_item(static_cast<int64_t>(items.size()), [&](int64_t it, RowBlock& rb) {
-        {
-          const WorkItem& w = items[it];
-          load_rows(rb, w, qs, ls, G, H, D, qp, copy_row);
-          auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
-            const CT* kb = kc + ((page * KVH + w.kv_head) * S + block * KW) * D;
-            if (KW == 32) score_dense_rows<32>(rb, r0, nr, kb, D, o);
-            else score_dense_rows<16>(rb, r0, nr, kb, D, o);
-          };
-          auto values = [&](int64_t page) { return DenseValues<CT>{vc + (page * KVH + w.kv_head) * S * D, D}; };
-          attend_rows(rb, btp + w.seq * max_pages, S, D, sm, score, values);
-          store_rows(rb, w, G, H, D, op, copy_row);
-        }
+        const WorkItem& w = items[it];
+        load_rows(rb, w, qs, ls, G, H, D, qp, copy_row);
+        auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
+          const CT* kb = kc + ((page * KVH + w.kv_head) * S + block * KW) * D;
+          if (KW == 32) score_dense_rows<32>(rb, r0, nr, kb, D, o);
+          else score_dense_rows<16>(rb, r0, nr, kb, D, o);
+        };
+        auto values = [&](int64_t page) { return DenseValues<CT>{vc + (page * KVH + w.kv_head) * S * D, D}; };
+        attend_rows(rb, btp + w.seq * max_pages, S, D, sm, score, values);
+        store_rows(rb, w, G, H, D, op, copy_row);
       });
     });
   });

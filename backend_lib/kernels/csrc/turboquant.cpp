@@ -405,50 +405,48 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     for_each_item(static_cast<int64_t>(items.size()), [&](int64_t it, RowBlock& rb) {
-      {
-        const WorkItem& w = items[it];
-        load_rows(rb, w, qs, ls, G, H, D, qp,   // rotate each query once
-                  [&](const float* src, float* dst, int64_t n) { rotate_row(src, Rp, n, dst); });
+      const WorkItem& w = items[it];
+      load_rows(rb, w, qs, ls, G, H, D, qp,   // rotate each query once
+                [&](const float* src, float* dst, int64_t n) { rotate_row(src, Rp, n, dst); });
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-        // many rows (prefill): decode each key block and value page once for the item, not once per tile
-        const bool decode_once = rb.n >= 4 && D % 16 == 0;
-        static thread_local DecodeScratch scratch;
-        scratch.key_block = nullptr;
-        const Table16 table(cp);
+      // many rows (prefill): decode each key block and value page once for the item, not once per tile
+      const bool decode_once = rb.n >= 4 && D % 16 == 0;
+      static thread_local DecodeScratch scratch;
+      scratch.key_block = nullptr;
+      const Table16 table(cp);
 #endif
-        auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
-          const int64_t slot = (page * KVH + w.kv_head) * S + block * KW;
+      auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
+        const int64_t slot = (page * KVH + w.kv_head) * S + block * KW;
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-          if (decode_once) {
-            const uint8_t* kb = kcp + slot * hd;
-            if (scratch.key_block != kb) {
-              scratch.k.resize(static_cast<size_t>(D) * KW);
-              decode_key_block(kb, KW, D, table, scratch.k.data());
-              scratch.key_block = kb;
-            }
-            score_decoded_rows(rb, r0, nr, scratch.k.data(), ksp + slot, KW, D, o);
-            return;
+        if (decode_once) {
+          const uint8_t* kb = kcp + slot * hd;
+          if (scratch.key_block != kb) {
+            scratch.k.resize(static_cast<size_t>(D) * KW);
+            decode_key_block(kb, KW, D, table, scratch.k.data());
+            scratch.key_block = kb;
           }
+          score_decoded_rows(rb, r0, nr, scratch.k.data(), ksp + slot, KW, D, o);
+          return;
+        }
 #endif
-          if (KW == 32) score_codes_rows<32>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
-          else score_codes_rows<16>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
-        };
-        auto values = [&](int64_t page) {
-          const int64_t slot = (page * KVH + w.kv_head) * S;
-          CodeValues values{vcp + slot * hd, vsp + slot, cp, D};
+        if (KW == 32) score_codes_rows<32>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
+        else score_codes_rows<16>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
+      };
+      auto values = [&](int64_t page) {
+        const int64_t slot = (page * KVH + w.kv_head) * S;
+        CodeValues values{vcp + slot * hd, vsp + slot, cp, D};
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-          if (decode_once) {
-            scratch.v.resize(static_cast<size_t>(S) * D);
-            decode_value_page(values.codes, S, D, table, scratch.v.data());
-            values.decoded = scratch.v.data();
-          }
+        if (decode_once) {
+          scratch.v.resize(static_cast<size_t>(S) * D);
+          decode_value_page(values.codes, S, D, table, scratch.v.data());
+          values.decoded = scratch.v.data();
+        }
 #endif
-          return values;
-        };
-        attend_rows(rb, bt.data_ptr<int32_t>() + w.seq * max_pages, S, D, sm, score, values);
-        store_rows(rb, w, G, H, D, op,   // de-rotate once per head and step
-                   [&](const float* src, float* dst, int64_t n) { unrotate_row(src, RTp, n, dst); });
-      }
+        return values;
+      };
+      attend_rows(rb, bt.data_ptr<int32_t>() + w.seq * max_pages, S, D, sm, score, values);
+      store_rows(rb, w, G, H, D, op,   // de-rotate once per head and step
+                 [&](const float* src, float* dst, int64_t n) { unrotate_row(src, RTp, n, dst); });
     });
   });
   return out;
