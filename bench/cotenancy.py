@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.run import ensure_checkpoints
+from bench.run import decode_rate, ensure_checkpoints
 from bench.workers.common import prompts
 from client.loadgen import run_load
 from harness.triton_server import TritonServer, make_repository
@@ -86,7 +86,7 @@ def neighbour_case(ck: dict, tokens: int) -> dict:
             t = time.perf_counter()
             eng.generate(ps, eng.make_params({"temperature": 0, "max_tokens": n, "ignore_eos": True}))
             return time.perf_counter() - t
-        return 4 * (tokens - 1) / (run(tokens) - run(1))
+        return decode_rate(4, tokens, run(tokens), run(1))
 
     rate()
     alone = rate()

@@ -81,7 +81,8 @@ def _long_table(rows: list[dict]) -> list[str]:
     dec = {(r["system"], r["prompt_len"], r["batch"]): r["decode_tokens_per_s"] for r in long if r["mode"] == "long"}
     cols = sorted({(c, b) for _, c, b in dec})
     if cols:
-        md += ["", "Long context, decode tokens/s (32 new tokens; the batch shares all but its last 16 prompt tokens "
+        new = next(r["new_tokens"] for r in long if r["mode"] == "long")
+        md += ["", f"Long context, decode tokens/s ({new} new tokens; the batch shares all but its last 16 prompt tokens "
                "through each system's prefix cache, every sequence reading its whole context each step):", "",
                "| system | " + " | ".join(f"{c:,} tokens, batch {b}" for c, b in cols) + " |",
                "|---|" + "---|" * len(cols)]

@@ -65,6 +65,11 @@ class Worker:
         self.log.close()
 
 
+def decode_rate(batch: int, new_tokens: int, full_s: float, prefill_s: float) -> float:
+    """The one definition of decode tokens/s for every system: B (N - 1) / (full - prefill)."""
+    return batch * (new_tokens - 1) / max(full_s - prefill_s, 1e-9)
+
+
 def decode_rates(workers: dict, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict[str, dict]:
     """Interleaved decode measurements; decode tokens/s from the median full and prefill-only times."""
     runs: dict[str, list[dict]] = {name: [] for name in workers}
@@ -75,7 +80,7 @@ def decode_rates(workers: dict, batch: int, prompt_len: int, new_tokens: int, re
     for name, rs in runs.items():
         full = statistics.median(r["full_s"] for r in rs)
         prefill = statistics.median(r["prefill_s"] for r in rs)
-        out[name] = {"decode_tokens_per_s": batch * (new_tokens - 1) / max(full - prefill, 1e-9), "full_s": full,
+        out[name] = {"decode_tokens_per_s": decode_rate(batch, new_tokens, full, prefill), "full_s": full,
                      "prefill_s": prefill, "runs": rs}
     log(f"batch {batch}: " + ", ".join(f"{n} {v['decode_tokens_per_s']:.1f}" for n, v in out.items()))
     return out
@@ -127,6 +132,7 @@ def prefix_rows(workers: dict, repeats: int, quick: bool = False) -> list[dict]:
 
 
 LONG_SEED = 11
+LONG_NEW_TOKENS = 32
 LONG_BUDGET = "3GiB"   # the KV budget of every system in the long-context group
 
 
@@ -154,12 +160,12 @@ def long_context_rows(py: str, vpy, ckpt: Path, out_dir: Path, vllm_env_vars: di
                 rows.append({"group": "long", "system": name, "mode": "ttft", "prompt_len": n, "ttft_s": t})
         for ctx in contexts:
             for b in (1, 4):
-                res = {name: w.call(op="long_decode", base_len=base, context=ctx, batch=b, new_tokens=32,
+                res = {name: w.call(op="long_decode", base_len=base, context=ctx, batch=b, new_tokens=LONG_NEW_TOKENS,
                                     seed=LONG_SEED) for name, w in workers.items()}
                 for name, r in res.items():
-                    rate = b * 31 / max(r["full_s"] - r["prefill_s"], 1e-9)
                     rows.append({"group": "long", "system": name, "mode": "long", "batch": b, "prompt_len": ctx,
-                                 "new_tokens": 32, "decode_tokens_per_s": rate, **r})
+                                 "new_tokens": LONG_NEW_TOKENS, **r,
+                                 "decode_tokens_per_s": decode_rate(b, LONG_NEW_TOKENS, r["full_s"], r["prefill_s"])})
                 log(f"decode at {ctx} tokens, batch {b}: " + ", ".join(
                     f"{name} {row['decode_tokens_per_s']:.2f}" for name, row in zip(res, rows[-len(res):])))
         for name, w in workers.items():
@@ -229,9 +235,9 @@ def main(argv=None) -> int:
             log(f"memory {name}: RSS {mem['rss_mib']:.0f} MiB, peak {mem['peak_rss_mib']:.0f} MiB"
                 + (f" (checkpoint {size:.0f} MiB)" if size else ""))
 
-    def add_decode(group: str, results: dict[str, dict], batch: int, prompt_len: int, new_tokens: int, mode="decode"):
+    def add_decode(group: str, results: dict[str, dict], batch: int, prompt_len: int, new_tokens: int):
         for name, r in results.items():
-            rows.append({"group": group, "system": name, "mode": mode, "batch": batch, "prompt_len": prompt_len,
+            rows.append({"group": group, "system": name, "mode": "decode", "batch": batch, "prompt_len": prompt_len,
                          "new_tokens": new_tokens, **{k: v for k, v in r.items() if k != "runs"}})
 
     # ---- group 1: the A8W8 engine against vLLM W8A8 and transformers -----------------------------------

@@ -3,7 +3,8 @@
 execute() validates each request and hands it to the EngineLoop; a response thread of its own
 turns engine outputs into Triton responses (never the decode loop), checks cancellation in a
 periodic sweep (not per output: is_cancelled() is a round trip to the server process), and aborts
-cancelled requests in the engine, which frees their pages at once. The model reads engine state only through the loop's stats snapshot.
+cancelled requests in the engine, which frees their pages at once. The model reads engine state
+only through the loop's stats snapshot.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ def main() -> None:
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
 
-    eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache=args.kv_cache, kv_cache_memory=args.kv_cache_memory,
-                                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+    eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache=args.kv_cache,
+                                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                  max_num_batched_tokens=512, enable_prefix_caching=args.prefix_caching))
     ids = itertools.count()
 
