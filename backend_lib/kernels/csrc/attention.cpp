@@ -107,6 +107,7 @@ struct DenseValues {
     vb = load16x(page + j * D + 32 * p + 16);
   }
 #elif defined(__AVX2__) && defined(__FMA__)
+  static constexpr bool kQuads = false;
   std::pair<int64_t, int64_t> pair8_dims(int64_t p) const { return {16 * p, 16 * p + 8}; }
   void pair8(int64_t j, int64_t p, __m256& va, __m256& vb) const {
     va = load8x(page + j * D + 16 * p);
@@ -160,7 +161,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
           else score_dense_rows<16>(rb, r0, nr, kb, D, o);
         };
         auto values = [&](int64_t page) { return DenseValues<CT>{vc + (page * KVH + w.kv_head) * S * D, D}; };
-        attend_rows(rb, btp + w.seq * max_pages, S, D, sm, score, values);
+        attend_rows(rb, btp + w.seq * max_pages, S, D, sm, score, values, [](int64_t) {});
         store_rows(rb, w, G, H, D, op, copy_row);
       });
     });

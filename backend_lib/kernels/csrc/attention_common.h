@@ -242,20 +242,32 @@ inline void accumulate_pair_dispatch(RowBlock& rb, int r0, int nr, const float* 
 // Value accumulation on AVX2: NR rows x NP chunk pairs (values.pair8(j, p, va, vb) loads the 8-dim
 // chunks at values.pair8_dims(p)), all accumulators in registers (16 ymm). Every accumulator lane is
 // one FMA chain over the keys in key order, whatever NR and NP: rows never depend on their block.
+// Values with kQuads give NP = 2 pairs as 4 vectors of two 4-dim halves each (values.quad(j, p0, v), the
+// halves at values.quad_dims(p0, lo, hi)): which lane holds a dim changes no arithmetic.
 template <int NR, int NP, bool Masked, typename Values>
 inline void accumulate8(RowBlock& rb, int r0, const float* w, int64_t w_stride, const int64_t* n, int64_t nk,
                         int64_t p0, Values& values) {
-  int64_t dim[2 * NP];
-  for (int c = 0; c < NP; ++c) std::tie(dim[2 * c], dim[2 * c + 1]) = values.pair8_dims(p0 + c);
+  constexpr bool quads = NP == 2 && Values::kQuads;
+  int64_t lo[2 * NP], hi[2 * NP];
+  if constexpr (quads) {
+    values.quad_dims(p0, lo, hi);
+  } else {
+    for (int c = 0; c < NP; ++c) std::tie(lo[2 * c], lo[2 * c + 1]) = values.pair8_dims(p0 + c);
+    for (int c = 0; c < 2 * NP; ++c) hi[c] = lo[c] + 4;
+  }
   __m256 acc[NR][2 * NP];
 #pragma GCC unroll 8
   for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 4
-    for (int c = 0; c < 2 * NP; ++c) acc[i][c] = _mm256_loadu_ps(rb.acc[r0 + i] + dim[c]);
+    for (int c = 0; c < 2 * NP; ++c) acc[i][c] = _mm256_loadu2_m128(rb.acc[r0 + i] + hi[c], rb.acc[r0 + i] + lo[c]);
   for (int64_t j = 0; j < nk; ++j) {
     __m256 v[2 * NP];
+    if constexpr (quads) {
+      values.quad(j, p0, v);
+    } else {
 #pragma GCC unroll 2
-    for (int c = 0; c < NP; ++c) values.pair8(j, p0 + c, v[2 * c], v[2 * c + 1]);
+      for (int c = 0; c < NP; ++c) values.pair8(j, p0 + c, v[2 * c], v[2 * c + 1]);
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < NR; ++i) {
       if (!Masked || j < n[i]) {
@@ -268,7 +280,7 @@ inline void accumulate8(RowBlock& rb, int r0, const float* w, int64_t w_stride, 
 #pragma GCC unroll 8
   for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 4
-    for (int c = 0; c < 2 * NP; ++c) _mm256_storeu_ps(rb.acc[r0 + i] + dim[c], acc[i][c]);
+    for (int c = 0; c < 2 * NP; ++c) _mm256_storeu2_m128(rb.acc[r0 + i] + hi[c], rb.acc[r0 + i] + lo[c], acc[i][c]);
 }
 
 // rows <= 2 (decode with a small GQA group): 32 dims per pass; otherwise 16 dims x up to 6 rows.
@@ -304,9 +316,11 @@ inline void accumulate8_dispatch(RowBlock& rb, int r_first, int64_t D, const flo
 //   values(page): a value reader for the page with fold_scales(w, n) (no-op for dense caches), row(j, float*),
 //     full<DC>(j, __m512*), pair(j, p, va, vb) and pair_dims(p) (AVX-512), pair8(j, p, va, vb) and
 //     pair8_dims(p) (AVX2: D / 16 pairs of 8-dim chunks).
-template <typename Scorer, typename ValuesOf>
+//   ahead(page): called before a page's scores with the page after it (-1 for the last), so that a kernel can
+//     prefetch it while it works on this one.
+template <typename Scorer, typename ValuesOf, typename Ahead>
 void attend_rows(RowBlock& rb, const int32_t* block_table, int64_t S, int64_t D, float scale, Scorer&& score,
-                 ValuesOf&& values_of) {
+                 ValuesOf&& values_of, Ahead&& ahead) {
   static thread_local std::vector<float> sbuf;
   sbuf.resize(static_cast<size_t>(kMaxRows) * S);
   float* scores = sbuf.data();
@@ -318,6 +332,7 @@ void attend_rows(RowBlock& rb, const int32_t* block_table, int64_t S, int64_t D,
     const int64_t page = block_table[p];
     const int64_t base = p * S;
     const int64_t nk = std::min(S, max_keys - base);
+    ahead(p + 1 < n_pages ? block_table[p + 1] : -1);
     int r_first = 0;   // rows whose keys end before this page are done (they come first: positions ascend)
     while (r_first < rb.n && rb.n_keys[r_first] <= base) ++r_first;
     for (int64_t j0 = 0; j0 < nk; j0 += KW) {

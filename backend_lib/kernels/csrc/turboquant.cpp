@@ -90,6 +90,37 @@ struct Table16 {
   }
 };
 
+// The table again as four byte planes, for decoding 32 nibbles at a time (vpshufb looks up 32 bytes per
+// instruction and the unpacks that reassemble the fp32 words are cheap; two vpermps and a blend per 8 values
+// were most of a decode step's uops). The values are the table's bit patterns, so exact. idx: 32 bytes in
+// 0..15; out[v] holds the entries of bytes {4v..4v+3} of each 128-bit lane, i.e. out[0] = {0..3, 16..19},
+// out[1] = {4..7, 20..23}, out[2] = {8..11, 24..27}, out[3] = {12..15, 28..31}.
+struct Planes16 {
+  __m256i b0, b1, b2, b3;
+  explicit Planes16(const float* cents) {
+    alignas(32) uint8_t b[4][32];
+    for (int e = 0; e < 16; ++e) {
+      uint32_t u;
+      std::memcpy(&u, cents + e, sizeof(u));
+      for (int k = 0; k < 4; ++k) b[k][e] = b[k][e + 16] = static_cast<uint8_t>(u >> (8 * k));
+    }
+    b0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(b[0]));
+    b1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(b[1]));
+    b2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(b[2]));
+    b3 = _mm256_load_si256(reinterpret_cast<const __m256i*>(b[3]));
+  }
+  void operator()(__m256i idx, __m256* out) const {
+    const __m256i p0 = _mm256_shuffle_epi8(b0, idx), p1 = _mm256_shuffle_epi8(b1, idx);
+    const __m256i p2 = _mm256_shuffle_epi8(b2, idx), p3 = _mm256_shuffle_epi8(b3, idx);
+    const __m256i l01 = _mm256_unpacklo_epi8(p0, p1), l23 = _mm256_unpacklo_epi8(p2, p3);
+    const __m256i h01 = _mm256_unpackhi_epi8(p0, p1), h23 = _mm256_unpackhi_epi8(p2, p3);
+    out[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(l01, l23));
+    out[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(l01, l23));
+    out[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(h01, h23));
+    out[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(h01, h23));
+  }
+};
+
 // 8 code bytes as int32 lanes.
 inline __m256i load8_codes(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -123,6 +154,61 @@ inline void score_codes_tile8(const RowBlock& rb, int r0, const uint8_t* kb, con
   for (int i = 0; i < NT; ++i)
 #pragma GCC unroll 2
     for (int v = 0; v < 2; ++v) _mm256_storeu_ps(out[i] + k0 + 8 * v, _mm256_mul_ps(acc[i][v], _mm256_loadu_ps(ks + 8 * v)));
+}
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The tile above for a whole 32-key block and NT <= 2 rows (decode steps): the block's 32 code bytes of
+// dim c decode with one Planes16 call per nibble; keys land in the lanes Planes16 gives and are put back
+// in order at the end. 8 accumulators also hide the two dependent FMAs per dim that bound the 16-key tile
+// at 2 rows. Same FMA chain per key as score_codes_tile8.
+template <int NT>
+inline void score_codes_tile32(const RowBlock& rb, int r0, const uint8_t* kb, const float* ks, int64_t D,
+                               const Planes16& table, const uint8_t* ahead, float (*out)[kMaxKW]) {
+  const int64_t h = D / 2;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[NT][4];
+#pragma GCC unroll 2
+  for (int i = 0; i < NT; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < h; ++c) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + c * 32));
+    if (ahead && c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + c * 32), _MM_HINT_T0);
+    __m256 k[4];
+    table(_mm256_and_si256(b, low), k);
+#pragma GCC unroll 2
+    for (int i = 0; i < NT; ++i) {
+      const __m256 ql = _mm256_set1_ps(rb.q[r0 + i][c]);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_fmadd_ps(ql, k[v], acc[i][v]);
+    }
+    table(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), k);
+#pragma GCC unroll 2
+    for (int i = 0; i < NT; ++i) {
+      const __m256 qh = _mm256_set1_ps(rb.q[r0 + i][c + h]);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_fmadd_ps(qh, k[v], acc[i][v]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < NT; ++i) {
+    const __m256 keys[4] = {_mm256_permute2f128_ps(acc[i][0], acc[i][1], 0x20),   // keys 0..7
+                            _mm256_permute2f128_ps(acc[i][2], acc[i][3], 0x20),   // 8..15
+                            _mm256_permute2f128_ps(acc[i][0], acc[i][1], 0x31),   // 16..23
+                            _mm256_permute2f128_ps(acc[i][2], acc[i][3], 0x31)};  // 24..31
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out[i] + 8 * v, _mm256_mul_ps(keys[v], _mm256_loadu_ps(ks + 8 * v)));
+  }
+}
+
+// Few rows (a decode step: one position x its GQA group) against a 32-key block: tiles of 2 rows.
+// ahead: a block to prefetch meanwhile (the same block of the next page), one line per two dims.
+inline void score_codes_few(const RowBlock& rb, int r0, int nr, const uint8_t* kb, const float* ks, int64_t D,
+                            const Planes16& planes, const uint8_t* ahead, float (*out)[kMaxKW]) {
+  int t = 0;
+  for (; t + 2 <= nr; t += 2, ahead = nullptr) score_codes_tile32<2>(rb, r0 + t, kb, ks, D, planes, ahead, out + t);
+  if (t < nr) score_codes_tile32<1>(rb, r0 + t, kb, ks, D, planes, ahead, out + t);
 }
 #endif
 
@@ -306,6 +392,29 @@ struct CodeValues {
   // pair p: dims [8p, 8p + 8) (low nibbles of bytes 8p..8p+7) and [8p + D/2, ...) (their high nibbles)
   std::pair<int64_t, int64_t> pair8_dims(int64_t p) const { return {8 * p, 8 * p + D / 2}; }
   const float* decoded = nullptr;   // the page's rows decoded (decode_value_page), or read from the codes
+  const Planes16* planes = nullptr;
+  const uint8_t* ahead = nullptr;   // the next page's codes: the first pass over a row prefetches its twin
+  // Two pairs at once (accumulate8 with NP = 2): the 16 code bytes of dims [8p0, 8p0 + 16) decode in one
+  // Planes16 call, low nibbles in the lower 128-bit lane and high nibbles in the upper, so vector k holds dims
+  // 8p0 + 4k.. (low half) and 8p0 + D/2 + 4k.. (high half), the halves quad_dims names.
+  static constexpr bool kQuads = true;
+  void quad_dims(int64_t p0, int64_t* lo, int64_t* hi) const {
+    for (int k = 0; k < 4; ++k) {
+      lo[k] = 8 * p0 + 4 * k;
+      hi[k] = lo[k] + D / 2;
+    }
+  }
+  void quad(int64_t j, int64_t p0, __m256* v) const {
+    if (decoded) {
+      const float* row = decoded + j * D + 8 * p0;
+      for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu2_m128(row + D / 2 + 4 * k, row + 4 * k);
+      return;
+    }
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * (D / 2) + 8 * p0));
+    if (p0 == 0 && ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * (D / 2)), _MM_HINT_T0);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    (*planes)(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), low), _mm_and_si128(x, low)), v);
+  }
   void pair8(int64_t j, int64_t p, __m256& va, __m256& vb) const {
     if (decoded) {
       va = _mm256_loadu_ps(decoded + j * D + 8 * p);
@@ -414,7 +523,9 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
       static thread_local DecodeScratch scratch;
       scratch.key_block = nullptr;
       const Table16 table(cp);
+      const Planes16 planes(cp);
 #endif
+      int64_t next_page = -1;   // the page after the one being read (attend_rows' ahead), to prefetch
       auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
         const int64_t slot = (page * KVH + w.kv_head) * S + block * KW;
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -428,6 +539,11 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
           score_decoded_rows(rb, r0, nr, scratch.k.data(), ksp + slot, KW, D, o);
           return;
         }
+        if (KW == 32) {   // a decode step: prefetch the same block of the next page as this one is read
+          const int64_t ahead = next_page < 0 ? slot : (next_page * KVH + w.kv_head) * S + block * KW;
+          score_codes_few(rb, r0, nr, kcp + slot * hd, ksp + slot, D, planes, kcp + ahead * hd, o);
+          return;
+        }
 #endif
         if (KW == 32) score_codes_rows<32>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
         else score_codes_rows<16>(rb, r0, nr, kcp + slot * hd, ksp + slot, D, cp, o);
@@ -436,6 +552,8 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
         const int64_t slot = (page * KVH + w.kv_head) * S;
         CodeValues values{vcp + slot * hd, vsp + slot, cp, D};
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        values.planes = &planes;
+        values.ahead = next_page < 0 ? values.codes : vcp + (next_page * KVH + w.kv_head) * S * hd;
         if (decode_once) {
           scratch.v.resize(static_cast<size_t>(S) * D);
           decode_value_page(values.codes, S, D, table, scratch.v.data());
@@ -444,7 +562,8 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
 #endif
         return values;
       };
-      attend_rows(rb, bt.data_ptr<int32_t>() + w.seq * max_pages, S, D, sm, score, values);
+      attend_rows(rb, bt.data_ptr<int32_t>() + w.seq * max_pages, S, D, sm, score, values,
+                  [&](int64_t page) { next_page = page; });
       store_rows(rb, w, G, H, D, op,   // de-rotate once per head and step
                  [&](const float* src, float* dst, int64_t n) { unrotate_row(src, RTp, n, dst); });
     });
