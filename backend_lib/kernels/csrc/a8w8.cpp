@@ -264,7 +264,8 @@ at::Tensor a8w8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) sp[m] = quantize_row(xp + m * K, K, Kp, xup + m * Kp);
     });
-    at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t chunk = std::max<int64_t>(1, NP / (8 * at::get_num_threads()));
+    parallel_chunks(NP, chunk, [&](int64_t p0, int64_t p1) {
       alignas(64) int32_t acc[kMaxRows * kPanel];
 #if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
       static thread_local std::vector<int16_t> wide_buf;

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -117,6 +118,21 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 #endif
+
+// fn(i0, i1) over [0, n) in chunks of `chunk` handed out one at a time to the intra-op threads (an atomic
+// counter): a thread that is slowed (a busy neighbour on a shared host, an OS tick) takes fewer chunks
+// instead of holding up the others at the region's barrier, as a static split would.
+template <typename Fn>
+inline void parallel_chunks(int64_t n, int64_t chunk, Fn&& fn) {
+  if (n <= 0) return;
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
+      fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
 
 inline void check_float_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
