@@ -22,6 +22,7 @@
 // sequence.
 #include "common.h"
 
+#include <type_traits>
 #include <vector>
 
 namespace qk {
@@ -86,6 +87,42 @@ inline float quantize_row(const T* x, int64_t K, int64_t Kp, qx_t* q) {
   return scale;
 }
 
+#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+// The AVX2 register tile: MB x rows against a 16-row panel ([KG][16][2]) of int8 weights, sign-extended per
+// k-pair, or of int16 weights already widened (widen_panel): with many x rows (prefill) a panel is widened
+// once per call instead of once per 6-row tile, which takes the two vpmovsxbw out of a loop of 12 vpmaddwd
+// + 12 vpaddd. Integer sums: the same int32 results either way.
+template <int MB, typename WT>
+inline void panel_tile_avx2(const int16_t* xu, int64_t ldx, const WT* panel, int64_t KG, int32_t* out) {
+  __m256i acc[MB][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < KG; ++g) {
+    __m256i w0, w1;
+    if constexpr (std::is_same_v<WT, int8_t>) {
+      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + g * 32)));
+      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + g * 32 + 16)));
+    } else {
+      w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 32));
+      w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 32 + 16));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      int32_t xv;
+      std::memcpy(&xv, xu + i * ldx + g * 2, 4);
+      const __m256i xb = _mm256_set1_epi32(xv);
+      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(xb, w0));
+      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(xb, w1));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel), acc[i][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel + 8), acc[i][1]);
+  }
+}
+#endif
+
 // acc[i][j] (16 / 8 output rows each) = sum over k-groups of broadcast(x_i[group g]) . panel[g][j].
 template <int MB>
 inline void panel_kernel(const qx_t* xu, int64_t ldx, const int8_t* panel, int64_t KG, int32_t* out) {
@@ -115,27 +152,7 @@ inline void panel_kernel(const qx_t* xu, int64_t ldx, const int8_t* panel, int64
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) _mm512_storeu_si512(out + i * kPanel + j * 16, acc[i][j]);
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256i acc[MB][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-  for (int64_t g = 0; g < KG; ++g) {
-    const int8_t* p = panel + g * 32;
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-#pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) {
-      int32_t xv;
-      std::memcpy(&xv, xu + i * ldx + g * 2, 4);
-      const __m256i xb = _mm256_set1_epi32(xv);
-      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(xb, w0));
-      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(xb, w1));
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel), acc[i][0]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel + 8), acc[i][1]);
-  }
+  panel_tile_avx2<MB>(xu, ldx, panel, KG, out);
 #else
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < kPanel; ++r) {
@@ -149,33 +166,6 @@ inline void panel_kernel(const qx_t* xu, int64_t ldx, const int8_t* panel, int64
 }
 
 #if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
-// The AVX2 kernel on a panel already sign-extended to int16 ([KG][16 rows][2], widen_panel): with many x
-// rows (prefill) the panel is widened once per call instead of once per 6-row tile, which takes the two
-// vpmovsxbw out of a loop of 12 vpmaddwd + 12 vpaddd. Integer sums: the same int32 results.
-template <int MB>
-inline void panel_kernel16(const int16_t* xu, int64_t ldx, const int16_t* panel, int64_t KG, int32_t* out) {
-  __m256i acc[MB][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-  for (int64_t g = 0; g < KG; ++g) {
-    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 32));
-    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 32 + 16));
-#pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) {
-      int32_t xv;
-      std::memcpy(&xv, xu + i * ldx + g * 2, 4);
-      const __m256i xb = _mm256_set1_epi32(xv);
-      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(xb, w0));
-      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(xb, w1));
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel), acc[i][0]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel + 8), acc[i][1]);
-  }
-}
-
 inline void widen_panel(const int8_t* panel, int64_t KG, int16_t* out) {
   for (int64_t b = 0; b < KG * 32; b += 16)
     _mm256_store_si256(reinterpret_cast<__m256i*>(out + b),
@@ -184,12 +174,12 @@ inline void widen_panel(const int8_t* panel, int64_t KG, int16_t* out) {
 
 inline void panel_rows16(int mb, const int16_t* xu, int64_t ldx, const int16_t* panel, int64_t KG, int32_t* out) {
   switch (mb) {
-    case 6: panel_kernel16<6>(xu, ldx, panel, KG, out); break;
-    case 5: panel_kernel16<5>(xu, ldx, panel, KG, out); break;
-    case 4: panel_kernel16<4>(xu, ldx, panel, KG, out); break;
-    case 3: panel_kernel16<3>(xu, ldx, panel, KG, out); break;
-    case 2: panel_kernel16<2>(xu, ldx, panel, KG, out); break;
-    default: panel_kernel16<1>(xu, ldx, panel, KG, out); break;
+    case 6: panel_tile_avx2<6>(xu, ldx, panel, KG, out); break;
+    case 5: panel_tile_avx2<5>(xu, ldx, panel, KG, out); break;
+    case 4: panel_tile_avx2<4>(xu, ldx, panel, KG, out); break;
+    case 3: panel_tile_avx2<3>(xu, ldx, panel, KG, out); break;
+    case 2: panel_tile_avx2<2>(xu, ldx, panel, KG, out); break;
+    default: panel_tile_avx2<1>(xu, ldx, panel, KG, out); break;
   }
 }
 constexpr int64_t kWidenRows = 4 * kMaxRows;   // x rows from which widening a panel once pays
