@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 
@@ -24,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
                     help="qwen3: the think block becomes reasoning_content; none: raw text as content")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--shutdown-timeout", type=float, default=3.0,
+                    help="seconds a stop signal waits for open responses (after aborting their Triton streams)")
     args = ap.parse_args(argv)
     tokenizer = None
     if args.tokenizer:
@@ -32,8 +35,33 @@ def main(argv=None) -> int:
         tokenizer = Tokenizer(args.tokenizer)
     app = create_app(args.triton_url, api_key=args.api_key, tokenizer=tokenizer,
                      reasoning=args.reasoning_parser == "qwen3")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    BoundedShutdownServer(config, app.state.gateway).run()
     return 0
+
+
+class BoundedShutdownServer(uvicorn.Server):
+    """uvicorn, with a stop that does not wait on clients. On SIGTERM/SIGINT uvicorn stops accepting and waits
+    for open responses to end, without bound by default, and only then runs the app's shutdown (which aborts
+    the Triton streams): a 4,000-token stream is served to its end, and a client that stopped reading holds
+    the process for as long as it stays connected. Here the signal aborts every Triton stream at once (each
+    open response gets its final chunk, finish_reason "abort"), and uvicorn's graceful wait is bounded
+    (--shutdown-timeout): responses still open then, slow readers included, are cancelled."""
+
+    def __init__(self, config, gateway):
+        super().__init__(config)
+        self._gateway = gateway
+        self._loop = None
+
+    async def serve(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame):
+        if not self.should_exit and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._gateway.abort_all)
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":

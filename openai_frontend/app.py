@@ -10,6 +10,8 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from backend_lib.json_input import loads
+from backend_lib.sampling.errors import RequestError
 from .errors import APIError, bad_request, unauthorized
 from .formats import ChatFormat, CompletionFormat, TokenNames
 from .gateway import TritonGateway
@@ -19,45 +21,16 @@ from .params import parse_chat, parse_completion
 log = logging.getLogger("openai_frontend")
 
 
-MAX_JSON_DEPTH = 64
-_JSON_SPECIAL = re.compile(rb'[\[\]{}"\\]')
-_QUOTE, _BACKSLASH, _OPEN = ord('"'), ord("\\"), (ord("["), ord("{"))
-
-
-def nested_deeper_than(raw: bytes, limit: int) -> bool:
-    """Whether a JSON text nests arrays and objects deeper than `limit` (brackets inside strings do not
-    count), found in one pass over its brackets and quotes, before any parsing: a deep body never reaches
-    the recursive parser."""
-    depth, in_string, escaped = 0, False, -1
-    for m in _JSON_SPECIAL.finditer(raw):
-        pos = m.start()
-        c = raw[pos]
-        if in_string:
-            if pos == escaped:
-                continue
-            if c == _BACKSLASH:
-                escaped = pos + 1
-            elif c == _QUOTE:
-                in_string = False
-        elif c == _QUOTE:
-            in_string = True
-        elif c in _OPEN:
-            depth += 1
-            if depth > limit:
-                return True
-        elif c != _BACKSLASH:
-            depth -= 1
-    return False
-
-
 def parse_json_body(raw: bytes):
-    """The request body as JSON, or a 400: not JSON, or nested deeper than MAX_JSON_DEPTH."""
-    if nested_deeper_than(raw, MAX_JSON_DEPTH):
-        raise bad_request(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    """The request body as strict JSON (backend_lib.json_input: depth, number range, duplicate keys,
+    surrogates, NaN), or a 400 naming the field."""
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:   # JSONDecodeError, bad UTF-8, an integer of > 4300 digits
-        raise bad_request(f"the request body is not valid JSON ({exc})") from None
+        return loads(raw, "")
+    except RequestError as exc:
+        message = str(exc)
+        param = re.match(r"([A-Za-z_][A-Za-z0-9_]*)", message)
+        raise bad_request(message, param.group(1) if param and not message.startswith("the request body")
+                          else None) from None
 
 
 async def _json_body(request: Request):
@@ -136,6 +109,7 @@ def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, t
         await gateway.close()
 
     app = FastAPI(title="Qwen3 on Triton: OpenAI-compatible API", lifespan=lifespan)
+    app.state.gateway = gateway
     _error_handlers(app)
 
     @app.get("/health")

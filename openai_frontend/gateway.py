@@ -67,6 +67,7 @@ def is_llm_config(config: dict) -> bool:
 
 
 ABORT_WAIT_S = 10.0   # an aborted request's final response comes in milliseconds; past this, cancel
+SHUTDOWN_WAIT_S = 2.0   # at shutdown the streams were aborted at the signal: they are over or never will be
 _END = object()
 
 
@@ -77,13 +78,16 @@ class TritonStream:
     only stops waiting on a queue: cancelling a task that awaits a gRPC read would cancel the call).
     close() never cancels the call, which would hit Triton 2.51's gRPC stream-cancellation race (a server
     segfault, fixed upstream only in 24.12/25.03). It sends, on the same stream, a second request that
-    carries only `abort_request_id` = this request's id: the model aborts the request, which frees its KV
-    pages and ends it with a final response (finish_reason "abort"). The reader reads on until that final
-    response, then ends the request side (half-close), so the stream finishes normally. Only when that takes
-    longer than ABORT_WAIT_S is the call cancelled.
+    carries only `abort_request_id` = this request's id and `abort_token`, the capability the model returned
+    in the request's first response (`return_abort_token`; an id alone aborts nothing, so no client can end
+    another's request): the model aborts the request, which frees its KV pages and ends it with a final
+    response (finish_reason "abort"). A close() before that first response arrived sends the abort as soon
+    as it does. The reader reads on until the generation's final response, then ends the request side
+    (half-close), so the stream finishes normally. Only when that takes longer than ABORT_WAIT_S is the
+    call cancelled.
 
     Responses are told apart by their id: the abort request's own (empty, final) response is not the
-    generation's."""
+    generation's; the abort-token response is consumed here, never yielded."""
 
     def __init__(self, client: aio.InferenceServerClient, model: str, inputs: list,
                  abort_wait_s: float = ABORT_WAIT_S):
@@ -91,6 +95,8 @@ class TritonStream:
         self.request_id = uuid.uuid4().hex
         self.abort_id = f"{self.request_id}-abort"
         self.aborted = False          # an abort request was sent
+        self.abort_token: str | None = None   # from the first response (return_abort_token)
+        self._abort_pending = False   # close() came before the abort token
         self.fell_back_to_cancel = False
         self._abort_wait_s = abort_wait_s
         self._outbox: asyncio.Queue = asyncio.Queue()   # requests to send; None ends the request side
@@ -142,6 +148,13 @@ class TritonStream:
                     continue
                 if result.get_response().id != self.request_id:
                     continue   # the abort request's empty final response
+                token = result.as_numpy("abort_token")
+                if token is not None and token.size:
+                    self.abort_token = token.reshape(-1)[0].decode()
+                    if self._abort_pending:
+                        self._send_abort()
+                    if not is_final(result):
+                        continue
                 delta = _delta(result)
                 if not self._closing:
                     self._deltas.put_nowait(delta)
@@ -190,10 +203,22 @@ class TritonStream:
         if self._generation_done:
             return
         self.aborted = True
-        abort = grpcclient.InferInput("abort_request_id", [1], "BYTES")
-        abort.set_data_from_numpy(np.array([self.request_id.encode()], dtype=np.object_))
-        self._outbox.put_nowait({"model_name": self.model, "inputs": [abort], "request_id": self.abort_id})
         self._arm_watchdog()
+        if self.abort_token is None:
+            self._abort_pending = True   # sent when the token arrives (the model sends it at admission)
+        else:
+            self._send_abort()
+
+    def _send_abort(self) -> None:
+        self._abort_pending = False
+        if self._half_closed:
+            return
+        inputs = []
+        for name, value in (("abort_request_id", self.request_id), ("abort_token", self.abort_token)):
+            tensor = grpcclient.InferInput(name, [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+            inputs.append(tensor)
+        self._outbox.put_nowait({"model_name": self.model, "inputs": inputs, "request_id": self.abort_id})
 
     @property
     def finished(self) -> asyncio.Task:
@@ -214,14 +239,18 @@ class TritonGateway:
             self._client = aio.InferenceServerClient(self.url)
         return self._client
 
+    def abort_all(self) -> None:
+        """Aborts every open Triton stream (a stop signal): each ends with its final response at once."""
+        for stream in list(self._streams):
+            stream.close()
+
     async def close(self) -> None:
         """Shutdown: aborts the streams still open and waits (bounded) for them to end before the channel
         closes, which would cancel them (a gRPC cancellation, see TritonStream)."""
         streams = list(self._streams)
-        for stream in streams:
-            stream.close()
+        self.abort_all()
         if streams:
-            await asyncio.wait([s.finished for s in streams], timeout=ABORT_WAIT_S + 1)
+            await asyncio.wait([s.finished for s in streams], timeout=SHUTDOWN_WAIT_S)
         if self._client is not None:
             await self._client.close()
 

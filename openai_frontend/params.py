@@ -44,7 +44,7 @@ class Generation:
             sampling["logprobs"] = self.logprobs
         return build_inputs(None if ids is not None else self.prompt, ids, stream=True,
                             sampling_parameters=sampling or None, stop_words=self.stop,
-                            return_finish_reason=True, return_num_input_tokens=True,
+                            return_finish_reason=True, return_num_input_tokens=True, return_abort_token=True,
                             return_logprobs=self.logprobs is not None or None,
                             **self.fields)
 
@@ -139,10 +139,16 @@ _SCALARS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penal
 
 def _sampling(gen: Generation, body: dict, max_tokens_names: tuple[str, ...]) -> None:
     _neutral_fields(body)
+    given = {}
     for name in max_tokens_names:
         value = _checked(body, name, "max_tokens")
         if value is not None:
-            gen.fields["max_tokens"] = value
+            given[name] = value
+    if len(set(given.values())) > 1:   # OpenAI deprecated max_tokens for max_completion_tokens: one meaning
+        raise bad_request(f"{' and '.join(given)} differ ({', '.join(str(v) for v in given.values())}); "
+                          "send one of them", next(iter(given)))
+    if given:
+        gen.fields["max_tokens"] = next(iter(given.values()))
     if body.get("top_k") == -1 and not isinstance(body.get("top_k"), bool):
         body = {**body, "top_k": 0}   # vLLM's "disabled"
     for name in _SCALARS:
@@ -340,7 +346,18 @@ def _messages(body: dict) -> list[dict]:
         if unknown:
             raise bad_request(f"messages[{i}].{unknown[0]}: unknown field", "messages")
         msg = {"role": role, "content": _content(m.get("content"), f"messages[{i}]")}
-        for key in ("name", "tool_call_id", "reasoning_content"):   # checked by the tokenizer model
+        refusal = m.get("refusal")
+        if refusal is not None:   # what the assistant said when it refused: its content for the template
+            if role != "assistant" or not isinstance(refusal, str) or msg["content"]:
+                raise bad_request(f"messages[{i}].refusal: only an assistant message without content may carry "
+                                  "a refusal (a string)", "messages")
+            msg["content"] = refusal
+        reasoning = [m[k] for k in ("reasoning_content", "reasoning") if m.get(k) is not None]
+        if len(reasoning) == 2 and reasoning[0] != reasoning[1]:
+            raise bad_request(f"messages[{i}]: reasoning and reasoning_content differ; send one of them", "messages")
+        if reasoning:   # current vLLM names it `reasoning`, older clients `reasoning_content`
+            msg["reasoning_content"] = reasoning[0]
+        for key in ("name", "tool_call_id"):   # checked by the tokenizer model
             if m.get(key) is not None:
                 msg[key] = m[key]
         if m.get("tool_calls"):

@@ -98,4 +98,27 @@ def parse_tools(body: dict) -> ToolRequest | None:
         req.choice, req.name = None, fn["name"]
     elif choice is not None:
         raise bad_request("tool_choice must be a string or an object", "tool_choice")
+    if req.choice in ("required", None):
+        _check_enforced_schemas(req)
     return req
+
+
+def _check_enforced_schemas(req: ToolRequest) -> None:
+    """A tool whose parameters the grammar enforces must compile as a JSON schema: refused here, naming the
+    tool, rather than by the engine, which sees only the combined grammar (structured_outputs.grammar, a
+    field the client never sent)."""
+    import llguidance
+
+    for i, tool in enumerate(req.tools):
+        fn = tool["function"]
+        if req.name is not None and fn["name"] != req.name:
+            continue
+        schema = fn.get("parameters") or {"type": "object"}
+        try:
+            error = llguidance.LLMatcher.validate_grammar(
+                llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+        except (ValueError, TypeError) as exc:
+            error = str(exc)
+        if error and not error.startswith("WARNING"):
+            raise bad_request(f"tools[{i}].function.parameters is not a JSON schema the grammar engine can "
+                              f"enforce: {error.strip().splitlines()[0]}", "tools")

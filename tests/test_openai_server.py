@@ -331,9 +331,13 @@ def test_out_of_range_numbers_get_400_naming_the_field_never_a_wrapped_value(tri
     ('{"model": "qwen3_a8w8", "prompt": ' + "[" * 1000 + "1" + "]" * 1000 + "}", "nested deeper than 64"),
     ('{"model": "qwen3_a8w8", "prompt": "x", "a": ' + '{"b": ' * 100000 + "1" + "}" * 100000 + "}",
      "nested deeper than 64"),
-    ("{not json", "not valid JSON"),
-    (b"\xff\xfe{}", "not valid JSON"),
-    ('{"model": "qwen3_a8w8", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}", "not valid JSON"),
+    ("{not json", "the request body: malformed JSON"),
+    (b"\xff\xfe{}", "the request body: not valid UTF-8"),
+    ('{"model": "qwen3_a8w8", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}", "max_tokens: 999"),
+    ('{"model": "qwen3_a8w8", "prompt": "x", "temperature": ' + "1" + "0" * 400 + "}", "temperature: 100"),
+    ('{"model": "qwen3_a8w8", "prompt": "\\ud800"}', "prompt: contains a lone UTF-16 surrogate"),
+    ('{"model": "qwen3_a8w8", "prompt": "x", "top_p": NaN}', "top_p: NaN is not a JSON number"),
+    ('{"model": "qwen3_a8w8", "prompt": "x", "prompt": "y"}', "duplicate key 'prompt'"),
 ])
 def test_deep_or_malformed_json_bodies_get_400_not_500(front, body, words):
     for path in ("completions", "chat/completions"):

@@ -8,7 +8,7 @@ import pytest
 
 from backend_lib.serving import schema
 from backend_lib.serving.request import parse_request
-from backend_lib.serving.responses import output_arrays
+from backend_lib.serving.responses import abort_token_arrays, output_arrays
 from client.triton_inputs import build_inputs
 from helpers import ROOT
 
@@ -62,7 +62,7 @@ def test_every_sampling_input_reaches_the_sampling_fields_with_its_schema_type()
         assert tensors[name].datatype() == schema.LLM_INPUT[name].wire_type
     arrays = {name: np.array(v, dtype=schema.LLM_INPUT[name].np_dtype).reshape(1) for name, v in values.items()}
     arrays["text_input"] = np.array([b"hi"], dtype=np.object_)
-    req = parse_request(arrays.get, None)
+    req = parse_request(arrays, None)
     assert req.sampling == values and req.text == "hi"
 
 
@@ -72,6 +72,7 @@ def test_outputs_use_the_schema_dtypes():
 
     arrays = output_arrays("é", [1, 2], finish_reason="stop", num_input_tokens=3, num_output_tokens=2,
                            cumulative_logprob=-1.5, logprobs=[{"id": 1}], flags=Flags)
+    arrays = {**abort_token_arrays("t"), **arrays}
     assert set(arrays) == {f.name for f in schema.LLM_OUTPUTS}
     for name, arr in arrays.items():
         assert arr.dtype == schema.LLM_OUTPUT[name].np_dtype

@@ -55,10 +55,12 @@ def test_both_dialects_agree(triton):
     trt = stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPT, max_tokens=12, temperature=0.8, top_k=40, seed=7,
                           sampling_parameters={"ignore_eos": True})
     assert vllm["output_ids"] == trt["output_ids"] and len(trt["output_ids"]) == 12
-    # vLLM-backend clients send values as strings; scalar tensors win over the JSON
+    # vLLM-backend clients send values as strings; a field given as a tensor and in the JSON must agree
     strings = stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPT, max_tokens=12, sampling_parameters={
-        "max_tokens": "3", "temperature": "0.8", "top_k": "40", "seed": "7", "ignore_eos": "true"})
+        "max_tokens": "12", "temperature": "0.8", "top_k": "40", "seed": "7", "ignore_eos": "true"})
     assert strings["output_ids"] == vllm["output_ids"]
+    with pytest.raises(RuntimeError, match=r"max_tokens: given in sampling_parameters \(3\) and in an input tensor"):
+        stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPT, max_tokens=12, sampling_parameters={"max_tokens": 3})
 
 
 def test_eight_concurrent_streams_equal_their_solo_runs(triton):

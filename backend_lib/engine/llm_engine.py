@@ -165,6 +165,10 @@ class LLMEngine:
                 continue
             try:
                 out = self.output.process(seq, sample)
+            except RequestError as exc:   # its grammar failed past admission: the error names the field
+                log.warning("request %s failed: %s", seq.request_id, exc)
+                outputs.append(self._finish(seq, "error", str(exc)))
+                continue
             except Exception as exc:  # this request's text state broke: fail it alone
                 log.exception("output processing of request %s failed", seq.request_id)
                 outputs.append(self._finish(seq, "error", f"output processing failed: {exc}"))

@@ -78,11 +78,16 @@ def check_number(name: str, value):
     else:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RequestError(f"{name} must be a number, got {value!r}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:   # an int too large for a float is out of every range
+            raise RequestError(f"{name} must be {r.describe()}, got an integer of {len(str(abs(value)))} digits") \
+                from None
         if not math.isfinite(value):
             raise RequestError(f"{name} must be a finite number, got {value}")
     if (r.lo is not None and (value <= r.lo if r.lo_open else value < r.lo)) or (r.hi is not None and value > r.hi):
-        raise RequestError(f"{name} must be {r.describe()}, got {value}")
+        shown = value if abs(value) < 10**24 else f"a number of {len(str(int(abs(value))))} digits"
+        raise RequestError(f"{name} must be {r.describe()}, got {shown}")
     return value
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .errors import RequestError
 from .structured import apply_mask
 
 
@@ -111,6 +112,9 @@ class Sampler:
                         mask = self._mask_buffer(logits.shape[-1])
                         grammar.fill_mask(mask)
                         apply_mask(processed[b], mask)
+                except RequestError as exc:   # names the request's own field
+                    out[b] = SampleError(str(exc))
+                    continue
                 except Exception as exc:
                     out[b] = SampleError(f"structured_outputs: the grammar failed ({exc})")
                     continue

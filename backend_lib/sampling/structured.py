@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .. import json_input   # the module, not its names: json_input imports this package's errors
 from .errors import RequestError
 
 # vLLM's StructuredOutputsParams: the constraint keys (exactly one per request) and the options we
@@ -67,10 +68,7 @@ class StructuredSpec:
         if value is None:
             return None
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise RequestError(f"{field} must be an object, got a string that is not JSON") from None
+            value = json_input.loads(value, field)
         if not isinstance(value, dict):
             raise RequestError(f"{field} must be an object with one of {', '.join(CONSTRAINT_KEYS)}")
         given, options = [], {}
@@ -116,19 +114,13 @@ class StructuredSpec:
             text = '{"type": "object"}'
         elif kind == "json":
             if isinstance(v, str):
-                try:
-                    v = json.loads(v)
-                except ValueError as exc:
-                    raise RequestError(f"{field}: not valid JSON ({exc})") from None
+                v = json_input.loads(v, field)
             if not isinstance(v, (dict, bool)):
                 raise RequestError(f"{field} must be a JSON schema (an object)")
             text = json.dumps(v)   # property order kept: the grammar emits properties in this order
         elif kind == "choice":
             if isinstance(v, str) and v.lstrip().startswith("["):
-                try:
-                    v = json.loads(v)
-                except ValueError:
-                    pass
+                v = json_input.loads(v, field)
             if (not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v)):
                 raise RequestError(f"{field} must be a non-empty list of strings")
             text = json.dumps(v)
@@ -184,12 +176,42 @@ def spec_from_sampling(data: dict) -> tuple[dict, StructuredSpec | None]:
     return rest, (specs[0] if specs else None)
 
 
-class GrammarState:
-    """One request's grammar: waits for `wait_for` (the think block's end) when set, then masks and advances."""
+PROBE_STEPS = 8    # tokens walked at admission: a grammar too large for the engine's limits fails within these
 
-    def __init__(self, matcher, wait_for: int | None):
+
+def _first_error_line(matcher) -> str:
+    return (matcher.get_error() or "").strip().splitlines()[0] if matcher.get_error() else "unknown error"
+
+
+def _probe(pristine, field: str, vocab_size: int) -> None:
+    """Admission check of a grammar that compiled: llguidance builds its parser lazily, so a grammar whose
+    expansion exceeds the engine's limits (nested repetitions, `a: b{40}`, `b: c{40}`, `c: "x"{40}`) compiles
+    and then fails at its first token, mid-stream. A copy walks PROBE_STEPS tokens (the lowest allowed id
+    each time) and a failure refuses the request, naming the field, before any token is sent."""
+    probe = pristine.deep_copy()
+    mask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+    for _ in range(PROBE_STEPS):
+        if probe.is_stopped():
+            return
+        probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if not probe.is_error():
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little", count=vocab_size))
+            if not allowed.size:
+                return
+            probe.consume_token(int(allowed[0]))
+        if probe.is_error():
+            raise RequestError(f"{field}: the grammar exceeds the grammar engine's limits "
+                               f"({_first_error_line(probe)})")
+
+
+class GrammarState:
+    """One request's grammar: waits for `wait_for` (the think block's end) when set, then masks and advances.
+    A grammar error after admission (a limit the probe did not reach) fails the request naming `field`."""
+
+    def __init__(self, matcher, wait_for: int | None, field: str = "structured_outputs"):
         self.matcher = matcher
         self.wait_for = wait_for
+        self.field = field
 
     @property
     def active(self) -> bool:
@@ -199,7 +221,7 @@ class GrammarState:
         """The allowed next tokens as a bitmask into `out` (int32 [ceil(V / 32)])."""
         self.matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
         if self.matcher.is_error():
-            raise RuntimeError(self.matcher.get_error())
+            raise RequestError(f"{self.field}: the grammar failed ({_first_error_line(self.matcher)})")
 
     def accept(self, token_id: int) -> bool:
         """Advances past a sampled token; True once the grammar is complete (nothing more may follow)."""
@@ -208,7 +230,8 @@ class GrammarState:
                 self.wait_for = None
             return False
         if not self.matcher.consume_token(token_id):
-            raise RuntimeError(f"token {token_id} was not allowed by the grammar ({self.matcher.get_error()})")
+            raise RequestError(f"{self.field}: the grammar failed at token {token_id} "
+                               f"({_first_error_line(self.matcher)})")
         return self.matcher.is_stopped()
 
 
@@ -258,10 +281,11 @@ class GrammarCompiler:
                     raise RequestError(f"{spec.field}: {exc}") from None
                 if pristine.is_error():
                     raise RequestError(f"{spec.field} does not compile: {pristine.get_error().strip()}")
+                _probe(pristine, spec.field, self.vocab_size)
                 self._cache[key] = pristine
                 if len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
             matcher = pristine.deep_copy()
-        return GrammarState(matcher, self.think_end_id if wait_for_think_end else None)
+        return GrammarState(matcher, self.think_end_id if wait_for_think_end else None, spec.field)

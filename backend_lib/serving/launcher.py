@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -108,6 +109,42 @@ STOP_FLAG_ENV = "QWEN3_STOP_FLAG"
 ENGINE_DEAD_ENV = "QWEN3_ENGINE_DEAD"            # file a model writes when its engine has died
 EXIT_ON_ENGINE_DEATH_ENV = "QWEN3_EXIT_ON_ENGINE_DEATH"
 ENGINE_DEAD_EXIT = 3                              # this command's exit status after an engine death
+LOAD_STATUS_ENV = "QWEN3_LOAD_STATUS"            # folder where each model marks its load: <model>.loading/.ready
+READY_TIMEOUT_ENV = "QWEN3_READY_TIMEOUT_S"      # the server must serve within this many seconds of its start
+DEFAULT_READY_TIMEOUT_S = 900.0                  # the 0.6B demo loads in ~1 min cold on 2 cores; an 8B in a few
+LOAD_TIMEOUT_EXIT = 4                            # this command's exit status when the server never got ready
+
+
+def mark_load(model: str, state: str) -> None:
+    """A model's load progress ('loading' at the start of initialize, 'ready' at its end) for the launcher's
+    readiness watchdog (supervise), as a file in $QWEN3_LOAD_STATUS; nothing when the variable is unset."""
+    folder = os.environ.get(LOAD_STATUS_ENV)
+    if not folder:
+        return
+    try:
+        if state == "ready":
+            (Path(folder) / f"{model}.loading").unlink(missing_ok=True)
+        (Path(folder) / f"{model}.{state}").write_text(f"{os.getpid()} {time.time():.3f}\n")
+    except OSError:
+        pass
+
+
+def load_report(folder: Path, now: float | None = None) -> str:
+    """Which models hold the server's start (for the line the readiness watchdog logs)."""
+    now = time.time() if now is None else now
+    loading, ready = [], []
+    for path in sorted(folder.glob("*.loading")) + sorted(folder.glob("*.ready")):
+        try:
+            since = float(path.read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        (loading if path.suffix == ".loading" else ready).append(f"{path.stem} ({now - since:.0f} s)")
+    if loading:
+        return "still loading: " + ", ".join(loading) + " (time since its initialize started)"
+    if ready:
+        return ("every Python model finished initialize (" + ", ".join(ready) + " ago), but the server has not "
+                "marked them loaded")
+    return "no Python model reported its load"
 WATCH_PERIOD_S = 0.2
 
 
@@ -183,8 +220,86 @@ def exit_on_engine_death() -> bool:
     return raw in ("true", "1")
 
 
+def serving_endpoint(args: list[str]) -> tuple[str, int] | None:
+    """Where the server answers once it has loaded its models (Triton opens its endpoints only then): the HTTP
+    port, else the gRPC port; None when both are off."""
+    for proto, default in (("http", 8000), ("grpc", 8001)):
+        allowed = (_arg_values(args, f"--allow-{proto}") or ["true"])[-1].lower()
+        if allowed in ("false", "0", "off", "no"):
+            continue
+        port = int((_arg_values(args, f"--{proto}-port") or [default])[-1])
+        host = (_arg_values(args, f"--{proto}-address") or ["127.0.0.1"])[-1]
+        if host in ("", "0.0.0.0"):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        return host, port
+    return None
+
+
+def _answers(endpoint: tuple[str, int]) -> bool:
+    try:
+        with socket.create_connection(endpoint, timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def ready_timeout() -> float | None:
+    raw = os.environ.get(READY_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_READY_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SystemExit(f"tritonserver: ${READY_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    return value if value > 0 else None   # 0: no watchdog
+
+
+def processes_with_env(marker: str) -> list[int]:
+    """PIDs (other than this one) whose environment holds `marker` (NAME=value): the server and the model
+    processes it started, which inherit this command's environment."""
+    needle = marker.encode()
+    out = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                out.append(int(entry.name))
+        except OSError:
+            continue
+    return out
+
+
+def reap_leftovers(marker: str, grace: float = 2.0) -> list[int]:
+    """After the server is gone: ends every model process it left behind (SIGTERM, then SIGKILL)."""
+    pids = processes_with_env(marker)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if Path(f"/proc/{p}").exists() and not _zombie(p)]
+            time.sleep(0.05)
+        if not pids:
+            break
+    return pids
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def supervise(cmd: list[str], env: dict[str, str], kill_after: float | None = None,
-              exit_on_death: bool = True) -> int:
+              exit_on_death: bool = True, endpoint: tuple[str, int] | None = None,
+              ready_within: float | None = None) -> int:
     """Runs the server as a child and drains it on SIGTERM/SIGINT/SIGHUP before passing the signal on.
 
     Triton waits for every open decoupled stream before it unloads a model, and nothing in the Python
@@ -202,11 +317,19 @@ def supervise(cmd: list[str], env: dict[str, str], kill_after: float | None = No
     docs/deploy.md), so /v2/health/ready would go on answering 200 for a replica that cannot serve. With
     exit_on_death this process then stops the server as on SIGTERM and exits with ENGINE_DEAD_EXIT, so
     that its supervisor (Kubernetes, `docker run --restart`, systemd) starts a fresh one.
+
+    Readiness: a server that does not answer at `endpoint` within `ready_within` seconds (a model whose load
+    hangs: Triton opens its ports only once every model has loaded or failed) is stopped the same way; this
+    command logs which models hold it (each model marks its load in $QWEN3_LOAD_STATUS) and exits with
+    LOAD_TIMEOUT_EXIT. However the server ends, no model process outlives it: those still running after it
+    (found by this run's stop-flag path in their environment) are ended.
     """
     stamp = f"{os.getpid()}-{time.time_ns()}"
     flag = Path(tempfile.gettempdir()) / f"qwen3-triton-stop-{stamp}"
     dead = Path(tempfile.gettempdir()) / f"qwen3-triton-engine-dead-{stamp}"
-    env = {**env, STOP_FLAG_ENV: str(flag), ENGINE_DEAD_ENV: str(dead)}
+    status = Path(tempfile.mkdtemp(prefix=f"qwen3-triton-load-{stamp}-"))
+    env = {**env, STOP_FLAG_ENV: str(flag), ENGINE_DEAD_ENV: str(dead), LOAD_STATUS_ENV: str(status)}
+    started = time.monotonic()
     proc = subprocess.Popen(cmd, env=env)
 
     def forward(signum, _frame):
@@ -229,7 +352,8 @@ def supervise(cmd: list[str], env: dict[str, str], kill_after: float | None = No
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
-    died = False
+    died = hung = False
+    serving = endpoint is None or ready_within is None
     try:
         while True:
             try:
@@ -237,6 +361,15 @@ def supervise(cmd: list[str], env: dict[str, str], kill_after: float | None = No
                 break
             except subprocess.TimeoutExpired:
                 pass
+            if not serving and not flag.exists():
+                if _answers(endpoint):
+                    serving = True
+                elif time.monotonic() - started > ready_within:
+                    hung = serving = True
+                    print(f"[tritonserver] not serving {ready_within:.0f} s after its start "
+                          f"(${READY_TIMEOUT_ENV}): {load_report(status)}; stopping the server (exit status "
+                          f"{LOAD_TIMEOUT_EXIT}) so that its supervisor restarts it", file=sys.stderr, flush=True)
+                    forward(signal.SIGTERM, None)
             if exit_on_death and not died and dead.exists():
                 died = True
                 what = dead.read_text(errors="replace").strip() or "a model's engine died"
@@ -245,10 +378,17 @@ def supervise(cmd: list[str], env: dict[str, str], kill_after: float | None = No
                       file=sys.stderr, flush=True)
                 forward(signal.SIGTERM, None)
     finally:
+        if proc.poll() is not None:
+            left = reap_leftovers(f"{STOP_FLAG_ENV}={flag}")
+            if left:
+                print(f"[tritonserver] model processes {left} did not end", file=sys.stderr, flush=True)
         flag.unlink(missing_ok=True)
         dead.unlink(missing_ok=True)
+        shutil.rmtree(status, ignore_errors=True)
     if died:
         return ENGINE_DEAD_EXIT
+    if hung:
+        return LOAD_TIMEOUT_EXIT
     return rc if rc >= 0 else 128 - rc
 
 
@@ -274,7 +414,8 @@ def main(argv: list[str] | None = None) -> None:
     exit_on_death = exit_on_engine_death()
     cmd, env = command(args)
     env = cpu_partition(args, env)
-    sys.exit(supervise(cmd, env, kill_after=timeout + KILL_GRACE_S, exit_on_death=exit_on_death))
+    sys.exit(supervise(cmd, env, kill_after=timeout + KILL_GRACE_S, exit_on_death=exit_on_death,
+                       endpoint=serving_endpoint(args), ready_within=ready_timeout()))
 
 
 if __name__ == "__main__":

@@ -1,24 +1,29 @@
 """Parses a Triton LLM request (vLLM and TensorRT-LLM dialects) into a prompt and sampling fields.
 
-Precedence, highest first: scalar input tensors, the `sampling_parameters` JSON, then request
-parameters (where the HTTP generate extension puts JSON keys that are not model inputs).
+A field may come from a scalar input tensor, the `sampling_parameters` JSON, or a request parameter
+(where the HTTP generate extension puts JSON keys that are not model inputs, and where gRPC clients
+may put them). Every input or none: a request parameter we do not know is an error naming it, the
+same field given twice with different values is an error naming both places, and inputs that
+exclude each other (`text_input` and `input_ids`; an abort and a prompt) are an error naming both.
 Pure Python over numpy arrays, so it is tested without a server.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
+from ..json_input import check_text, loads
 from ..sampling.params import RequestError, check_keys
 from ..sampling.structured import STRUCTURED_KEYS
-from .schema import FLAG_INPUTS, LLM_INPUT, SAMPLING_INPUTS
+from .schema import FLAG_INPUTS, LLM_INPUT, LLM_INPUTS, SAMPLING_INPUTS
+
 _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                 "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
                 "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
                 "skip_special_tokens": bool, "cache_salt": str}
+ABORT_INPUTS = tuple(f.name for f in LLM_INPUTS if f.role == "abort")
+MAX_SAMPLING_JSON_BYTES = 1 << 20
 
 
 @dataclass
@@ -32,6 +37,14 @@ class ParsedRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
+    return_abort_token: bool = False
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """A request that asks to abort another: the target's Triton request id and its abort token."""
+    request_id: str
+    token: str
 
 
 def scalar(name: str, arr: np.ndarray):
@@ -49,6 +62,7 @@ def text_value(name: str, value, max_bytes: int | None = None) -> str:
         except UnicodeDecodeError:
             raise RequestError(f"{name}: not valid UTF-8") from None
     if isinstance(value, str):
+        check_text(value, name)
         return value
     raise RequestError(f"{name}: expected a string, got {type(value).__name__}")
 
@@ -66,73 +80,138 @@ def _coerce(key: str, value, where: str):
                 return False
             raise ValueError
         if typ is int:
+            if len(value) > 40:
+                raise ValueError
             return int(value)
         if typ is float:
             return float(value)
         if typ is list:
             if key == "stop" and not value.lstrip().startswith("["):
                 return [value]
-            return json.loads(value)
-    except (ValueError, json.JSONDecodeError):
-        raise RequestError(f"{where}: {key}={value!r} is not a valid {typ.__name__}") from None
+            return loads(value, f"{where}.{key}")
+    except ValueError:
+        raise RequestError(f"{where}: {key}={value[:64]!r} is not a valid {typ.__name__}") from None
     return value
 
 
-def parse_request(get: Callable[[str], np.ndarray | None], parameters_json: str | None,
-                  max_prompt_bytes: int | None = None) -> ParsedRequest:
-    """`get(name)` returns the input tensor as numpy or None; parameters_json is request.parameters()."""
-    req = ParsedRequest()
-    # lowest precedence first: request parameters, then sampling_parameters JSON, then tensors
-    merged: dict = {}
-    if parameters_json:
+def _flag(where: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise RequestError(f"{where} must be a boolean, got {value!r}")
+
+
+def _parameters(req: ParsedRequest, parameters_json: str | None) -> dict:
+    """The request parameters as sampling fields (flags set on `req`); unknown ones are an error."""
+    if not parameters_json:
+        return {}
+    params = loads(parameters_json, "parameters")
+    if not isinstance(params, dict):
+        raise RequestError("parameters: must be an object")
+    rest = {}
+    for k, v in params.items():
+        if k in FLAG_INPUTS:
+            setattr(req, k, _flag(f"parameters.{k}", v))
+        elif k == "stop_words":
+            rest["stop"] = v if isinstance(v, list) else [v]
+        elif k == "beam_width":
+            if v not in (1, "1"):
+                raise RequestError(f"beam_width: only 1 is supported, got {v!r}")
+        elif k in ("sampling_parameters", "text_input", "input_ids", *ABORT_INPUTS):
+            raise RequestError(f"parameters.{k}: send {k} as an input tensor, not a request parameter")
+        else:
+            rest[k] = v
+    rest = check_keys(rest, "parameters")   # unknown keys and non-neutral vLLM keys: an error naming them
+    return {k: (_coerce(k, v, "parameters") if k in _FIELD_TYPES else v) for k, v in rest.items()}
+
+
+def _same(name: str, a, b) -> bool:
+    """Whether two values of one field agree (compared at the wire tensor's type when it has one)."""
+    f = LLM_INPUT.get(name)
+    if f is not None and f.role == "sampling" and not isinstance(a, (list, dict)) and not isinstance(b, (list, dict)):
         try:
-            params = json.loads(parameters_json)
-        except json.JSONDecodeError:
-            params = {}
-        if isinstance(params, dict):
-            for k, v in params.items():
-                if k in _FIELD_TYPES:
-                    merged[k] = _coerce(k, v, "parameters")
-                elif k in STRUCTURED_KEYS:   # a string here (JSON text for objects and lists)
-                    merged[k] = v
-                elif k == "stop_words":
-                    merged["stop"] = v if isinstance(v, list) else [v]
-                elif k in FLAG_INPUTS and isinstance(v, (bool, str)):
-                    setattr(req, k, v if isinstance(v, bool) else v.lower() == "true")
-                elif k == "beam_width" and v not in (1, "1"):
-                    raise RequestError(f"beam_width: only 1 is supported, got {v}")
+            return bool(np.array(a).astype(f.np_dtype) == np.array(b).astype(f.np_dtype)) and type(a) is not bool \
+                and type(b) is not bool
+        except (TypeError, ValueError, OverflowError):
+            return False
+    return a == b and type(a) is type(b)
+
+
+def _merge(merged: dict, origin: dict, values: dict, where: str) -> None:
+    for k, v in values.items():
+        if k in merged and not _same(k, merged[k], v):
+            raise RequestError(f"{k}: given in {origin[k]} ({merged[k]!r}) and in {where} ({v!r}) with different "
+                               "values; send it once")
+        merged[k] = v
+        origin[k] = where
+
+
+def parse_abort(inputs: dict[str, np.ndarray], parameters_json: str | None) -> AbortRequest | None:
+    """The abort this request asks for (None when it carries no abort input); an abort carries
+    abort_request_id and abort_token and nothing else."""
+    given = [name for name in ABORT_INPUTS if name in inputs]
+    if not given:
+        return None
+    others = sorted(set(inputs) - set(ABORT_INPUTS))
+    if parameters_json and loads(parameters_json, "parameters"):
+        others.append("request parameters")
+    if others:
+        raise RequestError(f"abort_request_id: an abort request carries abort_request_id and abort_token only, "
+                           f"got also {', '.join(others)}")
+    missing = [name for name in ABORT_INPUTS if name not in inputs]
+    if missing:
+        raise RequestError(f"{missing[0]}: an abort needs abort_request_id and the abort_token that the request's "
+                           "first response carried (ask for it with return_abort_token)")
+    values = {name: text_value(name, scalar(name, inputs[name])) for name in ABORT_INPUTS}
+    return AbortRequest(values["abort_request_id"], values["abort_token"])
+
+
+def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
+                  max_prompt_bytes: int | None = None) -> ParsedRequest:
+    """`inputs`: the request's input tensors as numpy, by name; parameters_json is request.parameters()."""
+    req = ParsedRequest()
+    get = inputs.get
+    merged: dict = {}
+    origin: dict = {}
+    _merge(merged, origin, _parameters(req, parameters_json), "the request parameters")
     sp = get("sampling_parameters")
     if sp is not None:
         raw = text_value("sampling_parameters", scalar("sampling_parameters", sp))
         if raw.strip():
-            try:
-                data = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise RequestError(f"sampling_parameters: malformed JSON ({exc.msg} at position {exc.pos})") from None
+            data = loads(raw, "sampling_parameters", max_bytes=MAX_SAMPLING_JSON_BYTES)
             if not isinstance(data, dict):
                 raise RequestError("sampling_parameters: must be a JSON object")
             data = check_keys(data)
-            merged.update({k: _coerce(k, v, "sampling_parameters") for k, v in data.items()})
+            _merge(merged, origin, {k: _coerce(k, v, "sampling_parameters") for k, v in data.items()},
+                   "sampling_parameters")
+    tensors = {}
     for name in SAMPLING_INPUTS:
         arr = get(name)
         if arr is not None:
-            merged[name] = LLM_INPUT[name].py_type(scalar(name, arr).item())
+            tensors[name] = LLM_INPUT[name].py_type(scalar(name, arr).item())
     bw = get("beam_width")
     if bw is not None and int(scalar("beam_width", bw)) != 1:
         raise RequestError(f"beam_width: only 1 is supported, got {int(scalar('beam_width', bw))}")
     sw = get("stop_words")
     if sw is not None:
-        merged["stop"] = [text_value("stop_words", v) for v in sw.reshape(-1)]
+        tensors["stop"] = [text_value("stop_words", v) for v in sw.reshape(-1)]
+    _merge(merged, origin, tensors, "an input tensor")
     for name in FLAG_INPUTS:
         arr = get(name)
         if arr is not None:
             setattr(req, name, bool(scalar(name, arr)))
     if req.return_logprobs and merged.get("logprobs") is None:
         merged["logprobs"] = 0
+    if req.return_abort_token and not req.stream:
+        raise RequestError("return_abort_token: needs stream true (the token comes in a response of its own, "
+                           "before the first token)")
     req.sampling = merged
 
     text = get("text_input")
     ids = get("input_ids")
+    if text is not None and ids is not None:
+        raise RequestError("text_input and input_ids: send one of them, not both")
     if text is not None:
         req.text = text_value("text_input", scalar("text_input", text), max_prompt_bytes)
     if ids is not None:
@@ -143,6 +222,6 @@ def parse_request(get: Callable[[str], np.ndarray | None], parameters_json: str 
         raise RequestError("text_input or input_ids is required")
     if req.input_ids is None and req.text == "":
         raise RequestError("text_input: the prompt is empty")
-    if req.input_ids is not None and not req.input_ids and not req.text:
+    if req.input_ids is not None and not req.input_ids:
         raise RequestError("input_ids: the prompt is empty")
     return req

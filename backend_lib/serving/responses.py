@@ -15,6 +15,12 @@ def _array(name: str, values: list) -> np.ndarray:
     return np.array(values, dtype=f.np_dtype)
 
 
+def abort_token_arrays(token: str) -> dict[str, np.ndarray]:
+    """The response sent at admission to a request that asked for its abort token: no text, no ids."""
+    return {"text_output": _array("text_output", [""]), "output_ids": _array("output_ids", []),
+            "abort_token": _array("abort_token", [token])}
+
+
 def output_arrays(text: str, ids: list[int], *, finish_reason: str | None, num_input_tokens: int,
                   num_output_tokens: int, cumulative_logprob: float | None, logprobs: list[dict] | None,
                   flags) -> dict[str, np.ndarray]:

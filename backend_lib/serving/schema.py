@@ -79,9 +79,14 @@ LLM_INPUTS: tuple[Field, ...] = (
     _f("return_num_input_tokens", "TYPE_BOOL", [1], "flag", "add num_input_tokens"),
     _f("return_num_output_tokens", "TYPE_BOOL", [1], "flag", "add num_output_tokens"),
     _f("return_logprobs", "TYPE_BOOL", [1], "flag", "add cumulative_logprob and per-token logprobs"),
+    _f("return_abort_token", "TYPE_BOOL", [1], "flag",
+       "streaming: the first response (sent at admission, before any token) carries abort_token, the "
+       "capability that aborts this request"),
     _f("abort_request_id", "TYPE_STRING", [1], "abort",
-       "alone in a request: abort the running request with this Triton request id (it ends with finish_reason "
-       "'abort'); a clean alternative to cancelling a gRPC stream"),
+       "with abort_token and nothing else: abort the running request of this Triton request id (it ends with "
+       "finish_reason 'abort'); a clean alternative to cancelling a gRPC stream"),
+    _f("abort_token", "TYPE_STRING", [1], "abort",
+       "the abort_token of the request named by abort_request_id (returned to its sender alone)"),
 )
 
 LLM_OUTPUTS: tuple[Field, ...] = (
@@ -92,6 +97,8 @@ LLM_OUTPUTS: tuple[Field, ...] = (
     _f("num_output_tokens", "TYPE_UINT32", [-1], "output", "tokens generated so far"),
     _f("cumulative_logprob", "TYPE_FP32", [-1], "output", "sum of the chosen tokens' logprobs"),
     _f("logprobs", "TYPE_STRING", [-1], "output", "per token: JSON {id, logprob, top: [{id, logprob}]}"),
+    _f("abort_token", "TYPE_STRING", [-1], "output",
+       "return_abort_token: the request's abort capability, in its first response only"),
 )
 
 # Inputs and outputs of the tokenizer model (qwen3_tokenizer), the first step of the ensembles.

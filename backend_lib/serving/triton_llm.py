@@ -8,19 +8,24 @@ only through the loop's stats snapshot.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import queue
+import secrets
+import signal
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
+
 from ..sampling.params import RequestError
-from .request import ParsedRequest, parse_request, scalar, text_value
-from .responses import output_arrays
+from .request import AbortRequest, ParsedRequest, parse_abort, parse_request
+from .responses import abort_token_arrays, output_arrays
 from .schema import LLM_INPUTS, LLM_OUTPUTS, declare
-from .launcher import ENGINE_DEAD_ENV, STOP_FLAG_ENV
+from .launcher import ENGINE_DEAD_ENV, STOP_FLAG_ENV, mark_load
 from .log import get_logger, setup as setup_logging
 from .metrics import FinishedRequest
 from .triton_config import engine_config_from_args
@@ -30,6 +35,8 @@ CANCEL_SWEEP_S = 0.1
 FINALIZE_TIMEOUT_S = 5.0
 STOP_FLAG_POLL_S = 0.1
 FINAL_METRICS_WAIT_S = 0.05
+SIGTERM_GRACE_S = 3.0        # a model process that gets SIGTERM ends its streams, then exits after this at most
+RECENT_TOKENS = 4096         # abort tokens of finished requests kept, so that a late abort is answered as valid
 
 
 class Overloaded(Exception):
@@ -48,6 +55,7 @@ class RequestState:
     req: ParsedRequest
     prompt_ids: list[int]
     arrival: float
+    abort_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     last_token_at: float | None = None
     generated: int = 0
     text: list[str] = field(default_factory=list)
@@ -74,6 +82,7 @@ class TritonLLMModel:
         setup_logging(pb_utils)
         self.pb = pb_utils
         self.name = args["model_name"]
+        mark_load(self.name, "loading")
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(f"{self.name}: model_transaction_policy.decoupled must be true")
@@ -91,15 +100,18 @@ class TritonLLMModel:
             lambda: self.loop.stats, name=f"{self.name}-metrics")
         self._queue: queue.Queue = queue.Queue()
         self._active: dict[str, RequestState] = {}
-        self._by_triton_id: dict[str, RequestState] = {}
+        self._by_token: dict[str, RequestState] = {}     # the abort capability -> its request
+        self._finished_tokens: OrderedDict[str, str] = OrderedDict()   # token -> Triton id, recent ones
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._exiting = False     # the server is shutting down (or this model unloading)
         self._dead = False        # the engine thread died (not a shutdown): see _engine_died
         self._thread = threading.Thread(target=self._respond_loop, name=f"{self.name}-responses", daemon=True)
         self._thread.start()
+        self._sigterm = _SigtermPipe.install()
         self._watch = threading.Thread(target=self._watch_server, name=f"{self.name}-shutdown-watch", daemon=True)
         self._watch.start()
+        mark_load(self.name, "ready")
         log.info("%s: ready", self.name)
 
     # ----- Triton entry points ---------------------------------------------------------------------
@@ -138,11 +150,24 @@ class TritonLLMModel:
         is gone, so that no stub outlives its server."""
         flag = os.environ.get(STOP_FLAG_ENV)
         parent = os.getppid()
+        sigterm_at = None
         while not self._stop.wait(STOP_FLAG_POLL_S):
             if os.getppid() != parent:
                 # The server is gone (killed, or it gave up waiting at its exit timeout): a stub left
-                # behind would hold the model's memory for good.
-                log.warning("%s: the server process exited; this model process exits too", self.name)
+                # behind would hold the model's memory for good. Nothing on this path may go through the
+                # server (pb_utils logging, metrics, sends would block on it forever): a plain write to
+                # stderr, then exit.
+                _stderr(f"{self.name}: the server process exited; this model process exits too")
+                os._exit(0)
+            if sigterm_at is None and self._sigterm is not None and self._sigterm.received():
+                # SIGTERM to this process (a supervisor that signals the whole group): end the open streams
+                # at once, as on the stop flag, and exit unless the server finalizes this model first.
+                sigterm_at = time.monotonic()
+                _stderr(f"{self.name}: SIGTERM; aborting the requests in flight, exiting within "
+                        f"{SIGTERM_GRACE_S:g} s")
+                if not self._exiting:
+                    threading.Thread(target=self._drain, daemon=True).start()
+            if sigterm_at is not None and time.monotonic() - sigterm_at > SIGTERM_GRACE_S:
                 os._exit(0)
             if flag and not self._exiting and os.path.exists(flag):
                 log.info("%s: the server is stopping; aborting the requests in flight", self.name)
@@ -187,19 +212,15 @@ class TritonLLMModel:
 
     # ----- requests --------------------------------------------------------------------------------
     def _submit(self, request, sender) -> None:
-        pb = self.pb
-
-        def get(name):
-            t = pb.get_input_tensor_by_name(request, name)
-            return None if t is None else t.as_numpy()
-
         if self._dead or (not self.loop.alive and not self._exiting):
             raise EngineDead(self._dead_message())
-        abort = get("abort_request_id")
+        inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+        parameters = request.parameters()
+        abort = parse_abort(inputs, parameters)
         if abort is not None:
-            self._abort_by_triton_id(abort, sender)
+            self._abort_with_token(abort, sender)
             return
-        req = parse_request(get, request.parameters(), self.cfg.limits.max_prompt_bytes)
+        req = parse_request(inputs, parameters, self.cfg.limits.max_prompt_bytes)
         waiting = self.loop.stats.waiting
         if waiting >= self.cfg.max_waiting_requests:
             raise Overloaded(f"server overloaded (UNAVAILABLE): {waiting} requests are waiting "
@@ -210,8 +231,9 @@ class TritonLLMModel:
         state = RequestState(rid, request.request_id(), sender, req, prompt_ids, time.perf_counter())
         with self._lock:
             self._active[rid] = state
-            if state.triton_id:
-                self._by_triton_id.setdefault(state.triton_id, state)
+            self._by_token[state.abort_token] = state
+        if req.return_abort_token:   # before any token: the sender can abort from its first response on
+            self._send(state, abort_token_arrays(state.abort_token), 0)
         try:
             self.loop.submit(rid, prompt_ids, params, lambda out, s=state: self._queue.put((s, out)))
         except Exception:
@@ -219,17 +241,22 @@ class TritonLLMModel:
             raise
         self.metrics.record(prompt_tokens=len(prompt_ids))
 
-    def _abort_by_triton_id(self, arr, sender) -> None:
-        """A request that carries abort_request_id alone: abort that request; answer this one at once."""
-        target = text_value("abort_request_id", scalar("abort_request_id", arr))
+    def _abort_with_token(self, abort: AbortRequest, sender) -> None:
+        """An abort request: it ends the request whose abort token it presents (with that request's id),
+        and no other. The answer for a token that matches no request is the same whether the id exists or
+        not, so an abort reveals nothing about other clients' requests."""
         with self._lock:
-            state = self._by_triton_id.get(target)
-        if state is not None:
-            log.info("%s: request %s aborted by the client", self.name, state.rid)
+            state = self._by_token.get(abort.token)
+            finished = self._finished_tokens.get(abort.token)
+        if state is not None and hmac.compare_digest(state.triton_id.encode(), abort.request_id.encode()):
+            log.info("%s: request %s aborted by its client", self.name, state.rid)
             self.loop.abort(state.rid, reason="abort")
+        elif finished is None or not hmac.compare_digest(finished.encode(), abort.request_id.encode()):
+            raise RequestError("abort_request_id: no running request matches this abort_request_id and abort_token "
+                               "(an abort needs the abort_token of the request's first response: "
+                               "return_abort_token)")
         else:
-            log.info("%s: abort of request %s: it is not running (finished before its abort arrived)", self.name,
-                     target)
+            log.info("%s: abort of request %s: it had finished before its abort arrived", self.name, finished)
         sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _send_error(self, sender, message: str, code) -> None:
@@ -274,8 +301,10 @@ class TritonLLMModel:
         state.done = True
         with self._lock:
             self._active.pop(state.rid, None)
-            if self._by_triton_id.get(state.triton_id) is state:
-                del self._by_triton_id[state.triton_id]
+            if self._by_token.pop(state.abort_token, None) is not None:
+                self._finished_tokens[state.abort_token] = state.triton_id
+                if len(self._finished_tokens) > RECENT_TOKENS:
+                    self._finished_tokens.popitem(last=False)
 
     def _cancel(self, state: RequestState) -> None:
         self.loop.abort(state.rid)
@@ -352,3 +381,49 @@ class TritonLLMModel:
         pb = self.pb
         tensors = [pb.Tensor(name, arr) for name, arr in arrays.items()]
         state.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
+
+
+def _stderr(message: str) -> None:
+    """A log line that does not go through the server (for exit paths where the server may be gone)."""
+    try:
+        os.write(2, f"[{time.strftime('%H:%M:%S')}] backend_lib: {message}\n".encode(errors="replace"))
+    except OSError:
+        pass
+
+
+class _SigtermPipe:
+    """SIGTERM seen by a thread that is not the main one. The Python backend's stub ignores SIGTERM, and a
+    Python-level handler runs only when the main thread executes Python (the stub's main thread waits in
+    C++). But CPython's C-level handler also writes the signal number to the wakeup fd, from whatever
+    thread the signal lands on; the watch thread reads that pipe."""
+
+    def __init__(self, read_fd: int):
+        self._fd = read_fd
+        self._seen = False
+
+    @classmethod
+    def install(cls) -> "_SigtermPipe | None":
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("SIGTERM handling: initialize does not run in the main thread; not installed")
+            return None
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        try:
+            signal.signal(signal.SIGTERM, lambda *_: None)
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError) as exc:
+            log.debug("SIGTERM handling not installed: %s", exc)
+            return None
+        return cls(r)
+
+    def received(self) -> bool:
+        if not self._seen:
+            try:
+                data = os.read(self._fd, 64)
+            except BlockingIOError:
+                return False
+            except OSError:
+                return False
+            self._seen = signal.SIGTERM in data
+        return self._seen

@@ -14,10 +14,12 @@ import json
 import numpy as np
 
 from ..checkpoint import ModelConfig
+from ..json_input import loads
 from ..sampling.params import RequestError
 from ..tokenizer import Tokenizer, TokenizerError
 from .request import scalar, text_value
 from .schema import TOKENIZER_INPUTS, TOKENIZER_OUTPUTS, declare
+from .launcher import mark_load
 from .log import get_logger, setup as setup_logging
 from .triton_config import engine_config_from_args
 
@@ -46,11 +48,7 @@ def _check_tool_calls(calls: list, where: str) -> None:
 def parse_messages(raw: str) -> list[dict]:
     """The chat messages, every field checked for its type (a wrong type would otherwise raise deep
     inside the chat template); unknown fields are an error naming them."""
-    try:
-        messages = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        where = f" ({exc.msg} at position {exc.pos})" if isinstance(exc, json.JSONDecodeError) else " (nested too deep)"
-        raise RequestError(f"messages: malformed JSON{where}") from None
+    messages = loads(raw, "messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: must be a non-empty JSON list of {role, content} objects")
     for i, m in enumerate(messages):
@@ -74,10 +72,7 @@ def parse_tools(raw: str | None) -> list[dict] | None:
     """The chat's function tools for the template: a JSON list of {type: function, function: {name, ...}}."""
     if raw is None or not raw.strip():
         return None
-    try:
-        tools = json.loads(raw)
-    except json.JSONDecodeError:
-        raise RequestError("tools: malformed JSON") from None
+    tools = loads(raw, "tools")
     if not isinstance(tools, list):
         raise RequestError("tools: must be a JSON list of function tools")
     for i, t in enumerate(tools):
@@ -129,6 +124,7 @@ class TritonTokenizerModel:
 
         setup_logging(pb_utils)
         self.pb = pb_utils
+        mark_load(args["model_name"], "loading")
         self.batched = json.loads(args["model_config"]).get("max_batch_size", 0) > 0
         try:
             cfg = engine_config_from_args(args)
@@ -138,6 +134,7 @@ class TritonTokenizerModel:
         self.max_model_len = cfg.max_model_len or ModelConfig.from_dir(cfg.checkpoint).max_position_embeddings
         self.max_prompt_bytes = cfg.limits.max_prompt_bytes
         self.tok = Tokenizer(folder)
+        mark_load(args["model_name"], "ready")
         log.info("%s: tokenizer from %s (max_model_len %d)", args["model_name"], folder, self.max_model_len)
 
     def _ids(self, request) -> np.ndarray:
