@@ -196,11 +196,17 @@ class TritonStream:
             self.close()   # aborts the request unless its final response arrived
 
     def close(self) -> None:
-        """Stops the request if it is still running (an abort request on the same stream, see the class)."""
+        """The consumer is gone: stops the request if it is still running (an abort request on the same stream,
+        see the class); nothing more is delivered."""
         if self._closing:
             return
         self._closing = True
-        if self._generation_done:
+        self.abort()
+
+    def abort(self) -> None:
+        """Ends the request early (a stop signal) while the consumer still reads: the final response, with
+        finish_reason "abort", is delivered as usual."""
+        if self._generation_done or self.aborted:
             return
         self.aborted = True
         self._arm_watchdog()
@@ -242,13 +248,14 @@ class TritonGateway:
     def abort_all(self) -> None:
         """Aborts every open Triton stream (a stop signal): each ends with its final response at once."""
         for stream in list(self._streams):
-            stream.close()
+            stream.abort()
 
     async def close(self) -> None:
         """Shutdown: aborts the streams still open and waits (bounded) for them to end before the channel
         closes, which would cancel them (a gRPC cancellation, see TritonStream)."""
         streams = list(self._streams)
-        self.abort_all()
+        for stream in streams:
+            stream.close()
         if streams:
             await asyncio.wait([s.finished for s in streams], timeout=SHUTDOWN_WAIT_S)
         if self._client is not None:

@@ -24,7 +24,16 @@ FAKE_SERVER = textwrap.dedent("""
     if sys.argv[2] == "die":   # a model's engine died: the model writes the file the launcher watches
         with open(os.environ["QWEN3_ENGINE_DEAD"], "a") as f:
             f.write("model qwen3_x: the engine has died\\n")
-    if sys.argv[2] in ("obey", "die"):
+    if sys.argv[2] in ("hang", "listen"):   # a model process (it ignores SIGTERM) and a model's load marks
+        import socket, subprocess
+        from backend_lib.serving.launcher import mark_load
+        stub = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+        open(out + ".stub", "w").write(str(stub.pid))
+        mark_load("qwen3_fast", "loading"); mark_load("qwen3_fast", "ready"); mark_load("qwen3_slow", "loading")
+        if sys.argv[2] == "listen":   # Triton opens its ports once every model has loaded
+            listener = socket.create_server(("127.0.0.1", int(sys.argv[3])))
+    if sys.argv[2] in ("obey", "die", "hang", "listen"):
         signal.signal(signal.SIGTERM, on_term)
     else:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a server that cannot finish exiting
@@ -33,17 +42,18 @@ FAKE_SERVER = textwrap.dedent("""
 """)
 
 
-def _supervise_in_thread(tmp_path, mode, kill_after=None, exit_on_death=True):
+def _supervise_in_thread(tmp_path, mode, kill_after=None, exit_on_death=True, port=None, ready_within=None):
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
     out = tmp_path / "seen"
     result = {}
-    cmd = [sys.executable, str(script), str(out), mode]
+    cmd = [sys.executable, str(script), str(out), mode, str(port)]
+    endpoint = ("127.0.0.1", port) if port else None
 
     def run():   # supervise installs signal handlers: only the main thread may; run it in a child python
         code = (f"import sys; from backend_lib.serving import launcher; "
                 f"sys.exit(launcher.supervise({cmd!r}, dict(__import__('os').environ), kill_after={kill_after!r}, "
-                f"exit_on_death={exit_on_death!r}))")
+                f"exit_on_death={exit_on_death!r}, endpoint={endpoint!r}, ready_within={ready_within!r}))")
         result["proc"] = subprocess.Popen([sys.executable, "-c", code], cwd=launcher.Path(launcher.__file__).parents[2],
                                           stderr=subprocess.PIPE, text=True)
         result["rc"] = result["proc"].wait(60)
@@ -132,3 +142,49 @@ def test_exit_on_engine_death_is_true_or_false(monkeypatch):
     monkeypatch.setenv(launcher.EXIT_ON_ENGINE_DEATH_ENV, "sometimes")
     with pytest.raises(SystemExit, match="QWEN3_EXIT_ON_ENGINE_DEATH='sometimes' is not true or false"):
         launcher.exit_on_engine_death()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return launcher.Path(f"/proc/{pid}").exists() and not launcher._zombie(pid)
+    except OSError:
+        return False
+
+
+def test_a_server_whose_model_never_loads_is_stopped_naming_it_and_no_model_process_is_left(tmp_path):
+    from harness.triton_server import free_port
+
+    t, result, out = _supervise_in_thread(tmp_path, "hang", port=free_port(), ready_within=2.0)
+    stub = int((tmp_path / "seen.stub").read_text())
+    t.join(40)
+    assert result["rc"] == launcher.LOAD_TIMEOUT_EXIT == 4, result
+    assert "not serving 2 s after its start" in result["stderr"]
+    assert "still loading: qwen3_slow (" in result["stderr"] and "qwen3_fast" not in result["stderr"]
+    assert out.read_text() == f"{int(signal.SIGTERM)} 1"   # stopped as on SIGTERM: the stop flag came first
+    assert not _alive(stub), "a model process outlived its server"
+
+
+def test_a_server_that_serves_in_time_is_left_running(tmp_path):
+    from harness.triton_server import free_port
+
+    t, result, out = _supervise_in_thread(tmp_path, "listen", port=free_port(), ready_within=1.0)
+    stub = int((tmp_path / "seen.stub").read_text())
+    time.sleep(2.5)
+    assert result["proc"].poll() is None and not out.exists()
+    result["proc"].send_signal(signal.SIGTERM)
+    t.join(30)
+    assert result["rc"] == 0 and not _alive(stub)
+
+
+def test_the_serving_endpoint_and_the_ready_timeout(monkeypatch):
+    assert launcher.serving_endpoint(["--model-repository", "m"]) == ("127.0.0.1", 8000)
+    assert launcher.serving_endpoint(["--http-port=9000", "--http-address", "0.0.0.0"]) == ("127.0.0.1", 9000)
+    assert launcher.serving_endpoint(["--allow-http=false", "--grpc-port", "9001"]) == ("127.0.0.1", 9001)
+    assert launcher.serving_endpoint(["--allow-http=false", "--allow-grpc=false"]) is None
+    monkeypatch.delenv(launcher.READY_TIMEOUT_ENV, raising=False)
+    assert launcher.ready_timeout() == launcher.DEFAULT_READY_TIMEOUT_S
+    monkeypatch.setenv(launcher.READY_TIMEOUT_ENV, "0")
+    assert launcher.ready_timeout() is None
+    monkeypatch.setenv(launcher.READY_TIMEOUT_ENV, "soon")
+    with pytest.raises(SystemExit, match="QWEN3_READY_TIMEOUT_S"):
+        launcher.ready_timeout()

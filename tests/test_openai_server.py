@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -431,12 +432,45 @@ def test_closing_a_stream_early_frees_the_requests_pages(triton, client, kind):
     assert client.completions.create(model=model, prompt=PROMPT, max_tokens=3, **GREEDY).usage.completion_tokens == 3
 
 
+def test_sigterm_aborts_the_fronts_streams_and_exits_within_seconds_with_a_slow_reader(triton, tmp_path):
+    """A stop signal ends every open response at once (its final chunk, finish_reason abort, then [DONE]), and
+    the front exits within seconds although one client stopped reading; Triton's requests end too."""
+    model = "qwen3_tq"
+    own = Front(triton.grpc_url, tmp_path / "front.log")
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    slow = socket.create_connection(("127.0.0.1", own.port))   # sends its request, then never reads
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    reader = requests.post(f"{own.url}/v1/completions", data=body, stream=True, timeout=60,
+                           headers={"Content-Type": "application/json"})
+    lines = reader.iter_lines()
+    for _ in range(6):
+        next(lines)
+    assert wait_until(lambda: triton.metric("vllm:num_requests_running", model) >= 2, 10)
+    t0 = time.time()
+    own.proc.send_signal(signal.SIGTERM)
+    events = [line.decode() for line in lines if line]
+    got_end = time.time() - t0
+    assert events[-1] == "data: [DONE]", events[-3:]
+    final = json.loads(events[-2][len("data: "):])
+    assert final["choices"][0]["finish_reason"] == "abort", final
+    assert got_end < 3.0, f"the final chunk came {got_end:.1f} s after the signal"
+    own.proc.wait(timeout=10)
+    exited = time.time() - t0
+    slow.close()
+    own._log.close()
+    assert exited < 6.0, f"the front exited {exited:.1f} s after the signal"
+    assert wait_until(lambda: triton.metric("vllm:num_requests_running", model) == 0, 5)
+
+
 def test_a_client_that_gives_up_on_a_whole_response_cancels_it(triton, front):
     model = "qwen3_tq"
     cancelled, aborted = triton.finished_total(model, "cancelled"), triton.finished_total(model, "abort")
     body = {"model": model, "prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(requests.Timeout):
-        requests.post(f"{front.url}/v1/completions", json=body, timeout=1.0)
+    with pytest.raises(requests.Timeout):   # the tiny model writes 900 tokens in ~1 s: give up well before
+        requests.post(f"{front.url}/v1/completions", json=body, timeout=0.3)
     assert wait_until(lambda: _pages(triton, model) == 0, 2.0)
     assert (triton.finished_total(model, "abort"), triton.finished_total(model, "cancelled")) == (aborted + 1, cancelled)
 

@@ -17,6 +17,7 @@ import queue
 import random
 import re
 import shutil
+import signal
 import statistics
 import threading
 import time
@@ -455,6 +456,37 @@ def test_sigterm_with_streams_in_flight_ends_every_stream_and_exits_promptly(tmp
                      "qwen3_a8w8: the server is stopping; aborting the requests in flight"):
             assert any(re.match(iso, line) and text in line for line in lines), (text, lines[-40:])
         assert "qwen3_a8w8: ready" not in srv.log_path.read_text(errors="replace")   # not on stdout
+    finally:
+        srv.stop()
+
+
+def test_sigterm_to_a_model_process_ends_its_streams_and_the_process(tmp_path_factory, a8w8_ckpt):
+    """A supervisor that signals the whole process group (systemd's default) reaches the model processes too.
+    The Python backend's stub ignores SIGTERM; the model's watch thread sees it (wakeup fd), ends its streams
+    with finish_reason 'abort' at once, and the process exits within a few seconds instead of staying
+    behind with its memory."""
+    from backend_lib.serving.triton_llm import SIGTERM_GRACE_S
+    from harness.triton_server import TritonServer, make_repository
+
+    root = tmp_path_factory.mktemp("stub-sigterm")
+    repo = make_repository(root / "models", {"qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt)}})
+    srv = TritonServer(repo, root / "tritonserver.log").start()
+    try:
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(stream_generate(
+            srv.grpc_url, "qwen3_a8w8", PROMPT, max_tokens=900, **GREEDY)))
+        t.start()
+        assert srv.wait_until(lambda: srv.metric("vllm:kv_cache_pages_used", "qwen3_a8w8") > 0, 30)
+        pid = srv.stub_pid("qwen3_a8w8")
+        t0 = time.time()
+        os.kill(pid, signal.SIGTERM)
+        t.join(30)
+        assert result.get("finish_reason") == "abort" and len(result["output_ids"]) < 900, result
+        assert time.time() - t0 < SIGTERM_GRACE_S
+        assert srv.wait_until(lambda: not os.path.exists(f"/proc/{pid}") or
+                              open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
+                              SIGTERM_GRACE_S + 3), "the model process did not exit after SIGTERM"
+        FIGURES["stub_sigterm_exit_s"] = round(time.time() - t0, 2)
     finally:
         srv.stop()
 

@@ -95,7 +95,7 @@ class FakePb(types.ModuleType):
 
     @staticmethod
     def get_input_tensor_by_name(request, name):
-        arr = request.inputs.get(name)
+        arr = request.arrays.get(name)
         return None if arr is None else types.SimpleNamespace(as_numpy=lambda: arr)
 
     @staticmethod
@@ -122,7 +122,10 @@ class Sender:
 
 class Request:
     def __init__(self, **inputs):
-        self.inputs, self.sender = inputs, Sender()
+        self.arrays, self.sender = inputs, Sender()
+
+    def inputs(self):
+        return [types.SimpleNamespace(name=lambda n=n: n, as_numpy=lambda a=a: a) for n, a in self.arrays.items()]
 
     def get_response_sender(self):
         return self.sender

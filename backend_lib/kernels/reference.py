@@ -75,7 +75,9 @@ def quantize_per_token(x: torch.Tensor):
 
 def int8_matmul(q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     """int8 [M, K] x int8 [N, K]^T -> int32 [M, N], exact int32 accumulation."""
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and q.shape[-1] > 1:
+        # oneDNN's int8 GEMM (torch 2.13, AVX512-VNNI hosts) returns wrong sums for K == 1 (zeros or garbage);
+        # every other K checked exact against an int64 product
         return torch._int_mm(q, w_q.t())
     return (q.to(torch.int32) @ w_q.to(torch.int32).t())
 
