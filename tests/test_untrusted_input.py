@@ -227,3 +227,45 @@ def test_a_tool_schema_that_cannot_be_enforced_names_the_tool():
         parse_chat(body)
     assert exc.value.param == "tools" and exc.value.message.startswith("tools[1].function.parameters")
     parse_chat({**body, "tool_choice": {"type": "function", "function": {"name": "ok"}}})   # only "ok" enforced
+
+
+_HOSTILE = st.sampled_from([v for k, v in HOSTILE_VALUES.items() if not k.startswith("deep")] +
+                           ["[" * 70 + "1" + "]" * 70, '"\\udbff\\udbff"', "-0", "1e-400", "123456789" * 5])
+_KEYS = st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                         "logprobs", "presence_penalty", "ignore_eos", "cache_salt", "structured_outputs",
+                         "guided_json", "messages", "prompt", "model", "tools", "bogus"])
+
+
+def _doc(pairs) -> str:
+    """A JSON object text whose values are raw fragments (hostile ones among them), keys possibly repeated."""
+    return "{" + ", ".join(f'"{k}": {v}' for k, v in pairs) + "}"
+
+
+@FUZZ
+@given(pairs=st.lists(st.tuples(_KEYS, st.one_of(_HOSTILE, st.sampled_from(['1', '0.5', '"x"', '[1, 2]', 'true',
+                                                                          'null', '{"json": {}}']))),
+                      min_size=1, max_size=5))
+def test_fuzzed_hostile_documents_get_a_result_or_one_error_naming_a_field_on_every_path(pairs):
+    raw = _doc(pairs)
+    sent = {k for k, _ in pairs}
+    paths = [
+        lambda: SamplingParams.from_dict(parse_request(_arrays(text_input="hi", sampling_parameters=raw), None)
+                                         .sampling).validate(SamplingLimits(), 1000),
+        lambda: parse_request(_arrays(text_input="hi"), raw),
+        lambda: parse_messages("[" + raw + "]"),
+        lambda: parse_tools('[{"type": "function", "function": {"name": "f", "parameters": ' + raw + "}}]"),
+    ]
+    for path in paths:
+        try:
+            path()
+        except RequestError as exc:
+            message = str(exc)
+            assert message.split(":")[0].split(".")[0].split("[")[0] in (
+                "sampling_parameters", "parameters", "messages", "tools", *sent) or \
+                any(k in message for k in sent), message
+    for parse in (parse_completion, parse_chat):
+        try:
+            parse(parse_json_body(raw.encode()))
+        except APIError as exc:
+            assert exc.status == 400 and (exc.param is None or exc.param in sent or exc.param in
+                                          ("messages", "prompt", "model")), (exc.param, exc.message)
