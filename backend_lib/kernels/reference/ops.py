@@ -64,11 +64,22 @@ def quantize_per_token(x: torch.Tensor):
     return q, scale
 
 
+# Every int8 product is at most 128 * 128 = 2**14 in magnitude, so a sum of 1024 of them stays within 2**24,
+# where fp32 holds every integer: an fp32 matmul over K-chunks of 1024 is exact in any summation order (and
+# with TF32 / bf16 / fp16 operands too, which hold every int8 exactly), and the chunks add up in int32.
+# Hand-written because no accelerator has an integer matmul in PyTorch (addmm_cuda is not implemented for
+# Int, torch._int_mm refuses M <= 16 on CUDA), and torch._int_mm on the CPU returns garbage at K = 1.
+EXACT_FP32_CHUNK = 1024
+
+
 def int8_matmul(q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
-    """int8 [M, K] x int8 [N, K]^T -> int32 [M, N], exact int32 accumulation."""
-    if q.device.type == "cpu":
-        return torch._int_mm(q, w_q.t())
-    return (q.to(torch.int32) @ w_q.to(torch.int32).t())
+    """int8 [M, K] x int8 [N, K]^T -> int32 [M, N], exact, with no integer matmul (runs on any device)."""
+    k = q.shape[-1]
+    acc = torch.zeros((q.shape[0], w_q.shape[0]), dtype=torch.int32, device=q.device)
+    for k0 in range(0, k, EXACT_FP32_CHUNK):
+        part = q[:, k0:k0 + EXACT_FP32_CHUNK].float() @ w_q[:, k0:k0 + EXACT_FP32_CHUNK].float().t()
+        acc += part.to(torch.int32)
+    return acc
 
 
 def a8w8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
