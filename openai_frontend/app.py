@@ -15,6 +15,7 @@ from .formats import ChatFormat, CompletionFormat, TokenNames
 from .gateway import TritonGateway
 from .generation import ClientGone, respond
 from .params import parse_chat, parse_completion
+from .playground import mount_playground
 
 log = logging.getLogger("openai_frontend")
 
@@ -144,4 +145,5 @@ def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, t
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     app.include_router(_v1_routes(gateway, TokenNames(tokenizer), api_key, reasoning))
+    mount_playground(app)   # the chat page at /
     return app

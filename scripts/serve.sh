@@ -27,6 +27,7 @@ build_demo bf16 QWEN3_TQ_CHECKPOINT
 export QWEN3_TOKENIZER_CHECKPOINT="${QWEN3_TOKENIZER_CHECKPOINT:-$QWEN3_TQ_CHECKPOINT}"
 HTTP_PORT="${HTTP_PORT:-8000}"; GRPC_PORT="${GRPC_PORT:-8001}"; METRICS_PORT="${METRICS_PORT:-8002}"
 BIND_ADDRESS="${BIND_ADDRESS:-127.0.0.1}"
+FRONT_PORT="${FRONT_PORT:-9000}"
 cat <<MSG
 [serve] starting tritonserver on $BIND_ADDRESS (HTTP :$HTTP_PORT, gRPC :$GRPC_PORT, metrics :$METRICS_PORT).
         BIND_ADDRESS=0.0.0.0 exposes it beyond this machine. Once the models are READY,
@@ -35,6 +36,9 @@ cat <<MSG
           python -m client.stream --model qwen3_a8w8 --prompt "Hello" --url localhost:$GRPC_PORT
           python -m client.chat --url localhost:$GRPC_PORT          # chat through qwen3_a8w8_ensemble
           curl -N -X POST localhost:$HTTP_PORT/v2/models/qwen3_tq/generate_stream -d '{"text_input": "Hello", "max_tokens": 32, "stream": true}'
+        The chat playground and the OpenAI API (in another terminal, after the models are READY):
+          . .venv/bin/activate && python -m openai_frontend --triton-url localhost:$GRPC_PORT --port $FRONT_PORT
+          then open http://127.0.0.1:$FRONT_PORT/ (playground) or use http://127.0.0.1:$FRONT_PORT/v1 (OpenAI API)
 MSG
 # --exit-on-error=false: a model that fails to load stays UNAVAILABLE (with its error in the log) while the
 # others serve, instead of taking the whole server down.
