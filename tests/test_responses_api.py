@@ -325,3 +325,34 @@ def test_a_hostile_request_fails_alone_naming_its_field(triton, client):
         for name, b in zip(names, bads):
             assert name in b.result(), (name, b.result())
     assert triton.model_ready("qwen3_a8w8")
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_closing_a_stream_aborts_its_triton_request(triton, client):
+    model = "qwen3_tq"
+    aborted = triton.finished_total(model, "abort")
+    stream = client.responses.create(model=model, input="Write a long story.", max_output_tokens=900, temperature=0,
+                                     stream=True, extra_body={**NO_THINK, "ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 6:
+            break
+    assert triton.wait_until(lambda: triton.metric("vllm:kv_cache_pages_used", model) > 0, 5)
+    stream.close()
+    assert triton.wait_until(lambda: triton.metric("vllm:kv_cache_pages_used", model) == 0, 2.0)
+    assert triton.wait_until(lambda: triton.finished_total(model, "abort") == aborted + 1, 2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_the_api_key_guards_the_responses_routes(triton, tmp_path):
+    keyed = Front(triton.grpc_url, tmp_path / "keyed.log", "--api-key", "k3y")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            keyed.client("wrong").responses.create(model="qwen3_a8w8", input="hi", max_output_tokens=2)
+        assert requests.get(f"{keyed.url}/v1/responses/resp_x", timeout=10).status_code == 401
+        res = keyed.client("k3y").responses.create(model="qwen3_a8w8", input="hi", max_output_tokens=2)
+        assert keyed.client("k3y").responses.retrieve(res.id).id == res.id
+        assert requests.get(f"{keyed.url}/v1/responses/{res.id}", timeout=10).status_code == 401
+    finally:
+        keyed.stop()
