@@ -80,8 +80,7 @@ class ResponseRun:
         if self._thinking_item is None:
             self._thinking_item = {"id": _id("rs"), "type": "reasoning", "summary": [],
                                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
-            events += self._add({**self._thinking_item, "content": []})
-            self.response["output"][-1] = self._thinking_item
+            events += self._add(self._thinking_item)
         self._thinking_item["content"][0]["text"] += text
         events.append(self._event("response.reasoning_text.delta", item_id=self._thinking_item["id"],
                                   output_index=self._index(self._thinking_item), content_index=0, delta=text))
@@ -108,7 +107,7 @@ class ResponseRun:
             self._message["content"].append(part)
             events.append(self._event("response.content_part.added", item_id=self._message["id"],
                                       output_index=self._index(self._message), content_index=0,
-                                      part=dict(part, annotations=[], logprobs=[])))
+                                      part=json.loads(json.dumps(part))))
         self._message["content"][0]["text"] += text
         events.append(self._event("response.output_text.delta", item_id=self._message["id"],
                                   output_index=self._index(self._message), content_index=0, delta=text, logprobs=[]))
