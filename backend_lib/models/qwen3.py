@@ -13,7 +13,6 @@ from torch import nn
 
 from ..checkpoint import ModelConfig, QuantScheme, WeightStore
 from ..kernels import Kernels
-from ..kernels.reference import rotary_cos_sin
 from ..layers.attention import Qwen3Attention
 from ..layers.linear import FLOAT_DTYPES, FloatLinear, load_linear
 from ..layers.mlp import Qwen3MLP
@@ -50,7 +49,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = nn.Parameter(norm, requires_grad=False)
         self.lm_head = lm_head
-        self.register_buffer("cos_sin", rotary_cos_sin(cfg.head_dim, max_positions, cfg.rope_theta, norm.device),
+        self.register_buffer("cos_sin", cfg.rope.cos_sin(cfg.head_dim, max_positions, norm.device),
                              persistent=False)
 
     @property
