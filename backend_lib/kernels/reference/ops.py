@@ -27,7 +27,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def rotary_cos_sin(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
     """[max_positions, head_dim] fp32 table of unscaled RoPE: cos of the half frequencies, then sin (rotate-half
     RoPE). The table of every rope type is built by backend_lib.checkpoint.rope.RopeConfig.cos_sin."""
-    from ..checkpoint.rope import RopeConfig
+    from ...checkpoint.rope import RopeConfig
 
     return RopeConfig(theta=theta).cos_sin(head_dim, max_positions, device)
 
