@@ -55,7 +55,7 @@ def test_sharded_checkpoint_loads_the_same(bf16_ckpt, tmp_path, bf16_engine):
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda q: q.update(quant_method="gptq"), "quant_method: 'gptq'"),
+    (lambda q: q.update(quant_method="bitsandbytes"), "quant_method: 'bitsandbytes'"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4), "weights.num_bits: 4"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=128),
      "weights.strategy: 'group'"),

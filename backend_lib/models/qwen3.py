@@ -122,5 +122,5 @@ class Qwen3ForCausalLM(nn.Module):
         store.release()
         model = cls(cfg, embed, layers, norm, lm_head, max_positions, kernels)
         log.info("loaded %d layers (%s weights, %s compute) in %.1fs", cfg.num_layers,
-                 "A8W8" if scheme else "float", dtype, time.time() - t0)
+                 scheme.describe() if scheme else "float", dtype, time.time() - t0)
         return model
