@@ -276,3 +276,35 @@ def test_bad_int4_configs_are_refused_naming_the_field(int4_ckpt, tmp_path, name
     with pytest.raises(CheckpointError) as err:
         make_engine(dst)
     assert message in str(err.value)
+
+
+@pytest.mark.slow
+def test_isa_paths_give_the_same_bits(tmp_path):
+    """w4a16.cpp built alone three times on this machine, with its widest instructions and without AVX-512 and
+    without AVX2 (the scalar path): every path computes the same fma chain, so every bit agrees."""
+    import platform
+
+    from torch.utils import cpp_extension
+
+    from backend_lib.kernels.cpu import build
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 instruction-set variants")
+    cpu = get_kernels("cpu")
+    torch.manual_seed(2)
+    n, k = 72, 192
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales, zeros = torch.rand(n, 3) * 0.05, torch.randint(0, 17, (n, 3)).float()
+    perm = torch.randperm(k)
+    prepared = cpu.w4a16_prepare(codes, scales, zeros, perm)
+    x = torch.randn(9, k).to(torch.bfloat16)
+    want = cpu.w4a16_linear(x, prepared)
+    for lib, flags in (("qwen3_w4a16_noavx512", ["-mno-avx512f"]), ("qwen3_w4a16_scalar", ["-mno-avx2", "-mno-fma",
+                                                                                             "-mno-avx512f"])):
+        out = tmp_path / lib
+        out.mkdir()
+        cpp_extension.load(name=lib, sources=[str(build.CSRC / "w4a16.cpp")], build_directory=str(out),
+                           extra_cflags=build._cflags() + flags + [f"-DQK_W4A16_LIB={lib}"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        got = getattr(torch.ops, lib).w4a16_linear(x, *prepared)
+        assert torch.equal(got, want), lib

@@ -46,6 +46,12 @@ void tile_scalar(const W4Args& a, int64_t m0, int64_t rows, int64_t b, T* y, int
 }
 
 #if defined(__AVX512F__)
+// Two runs of 8 floats as one 16-lane vector (AVX512F only: insertf32x8 would need AVX512DQ).
+inline __m512 join8x2(const float* lo, const float* hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(lo))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(hi)), 1));
+}
+
 // R rows x NB16 vectors of 16 outputs (two 8-output blocks per vector).
 template <int R, int NB16, typename T>
 void tile_avx512(const W4Args& a, int64_t m0, int64_t b0, T* y, int64_t N) {
@@ -60,8 +66,8 @@ void tile_avx512(const W4Args& a, int64_t m0, int64_t b0, T* y, int64_t N) {
     __m512 s[NB16], z[NB16];
     for (int t = 0; t < NB16; ++t) {
       const int64_t lo = ((b0 + 2 * t) * a.G + g) * 8, hi = ((b0 + 2 * t + 1) * a.G + g) * 8;
-      s[t] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a.scales + lo)), _mm256_loadu_ps(a.scales + hi), 1);
-      z[t] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a.zeros + lo)), _mm256_loadu_ps(a.zeros + hi), 1);
+      s[t] = join8x2(a.scales + lo, a.scales + hi);
+      z[t] = join8x2(a.zeros + lo, a.zeros + hi);
     }
     for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) {
       __m512 w[NB16];
@@ -206,7 +212,13 @@ at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& packed, const at:
 
 }  // namespace qk
 
-TORCH_LIBRARY_FRAGMENT(qwen3_cpu, m) {
+// The operator namespace: qwen3_cpu in the kernel set; a test builds this file alone under other names with
+// narrower instruction sets (-mno-avx512f, -mno-avx2) to compare the ISA paths bit for bit on one machine.
+#ifndef QK_W4A16_LIB
+#define QK_W4A16_LIB qwen3_cpu
+#endif
+#define QK_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+QK_FRAGMENT(QK_W4A16_LIB, m) {
   m.def("w4a16_pack(Tensor codes) -> Tensor", &qk::w4a16_pack);
   m.def("w4a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor perm) -> Tensor",
         &qk::w4a16_linear);
