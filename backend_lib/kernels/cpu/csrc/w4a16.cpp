@@ -10,6 +10,8 @@
 // activation dtype once. Rows are therefore bit-identical alone or batched, and the AVX-512, AVX2 and scalar
 // paths give the same bits (an fma rounds once on every path).
 #include <torch/library.h>
+#include <algorithm>
+#include <type_traits>
 #include <vector>
 #include "common.h"
 
@@ -120,9 +122,92 @@ void tile_avx2(const W4Args& a, int64_t m0, int64_t b0, T* y, int64_t N) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kDequantRows = 4;   // from this many rows a chunk's weights are dequantized once into a buffer
+constexpr int64_t kKBlock = 128;      // input columns dequantized at a time (the buffer: 128 x 64 fp32, 32 KiB)
+
+// Many rows: the chunk's 64 outputs are dequantized once per block of input columns into `wbuf` (the same two
+// roundings as in registers) and every row's accumulators are carried in `acc` across the blocks (an fp32 store
+// and load change no bit), so each output is still the one fma chain over k in order.
+template <typename T>
+void chunk_many_rows(const W4Args& a, int64_t M, int64_t b0, T* y, int64_t N) {
+  constexpr int64_t W = kChunkBlocks * 8;
+  thread_local std::vector<float> wbuf, acc;
+  wbuf.resize(kKBlock * W);
+  acc.assign(M * W, 0.f);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i mask = _mm256_set1_epi32(0xF);
+  for (int64_t k0 = 0; k0 < a.K; k0 += kKBlock) {
+    const int64_t kn = std::min(kKBlock, a.K - k0);
+    for (int64_t t = 0; t < kChunkBlocks; ++t) {
+      const int32_t* wrow = a.w + (b0 + t) * a.K;
+      for (int64_t k = k0; k < k0 + kn;) {          // runs of columns within one group
+        const int64_t g = k / a.group, end = std::min(k0 + kn, (g + 1) * a.group);
+        const __m256 z = _mm256_loadu_ps(a.zeros + ((b0 + t) * a.G + g) * 8);
+        const __m256 sc = _mm256_loadu_ps(a.scales + ((b0 + t) * a.G + g) * 8);
+        for (; k < end; ++k) {
+          const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wrow[k]), shifts), mask);
+          _mm256_storeu_ps(wbuf.data() + (k - k0) * W + t * 8, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(v), z), sc));
+        }
+      }
+    }
+    int64_t m = 0;
+#if defined(__AVX512F__)
+    auto rows = [&](auto r_const, int64_t m0) {
+      constexpr int R = decltype(r_const)::value;
+      __m512 c[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 4; ++v) c[r][v] = _mm512_loadu_ps(acc.data() + (m0 + r) * W + v * 16);
+      for (int64_t k = 0; k < kn; ++k) {
+        const float* wk = wbuf.data() + k * W;
+        const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32),
+                     w3 = _mm512_loadu_ps(wk + 48);
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(a.x[(m0 + r) * a.K + k0 + k]);
+          c[r][0] = _mm512_fmadd_ps(xv, w0, c[r][0]);
+          c[r][1] = _mm512_fmadd_ps(xv, w1, c[r][1]);
+          c[r][2] = _mm512_fmadd_ps(xv, w2, c[r][2]);
+          c[r][3] = _mm512_fmadd_ps(xv, w3, c[r][3]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc.data() + (m0 + r) * W + v * 16, c[r][v]);
+    };
+#else
+    auto rows = [&](auto r_const, int64_t m0) {
+      constexpr int R = decltype(r_const)::value;
+      for (int64_t v0 = 0; v0 < W; v0 += 16) {
+        __m256 c[R][2];
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < 2; ++v) c[r][v] = _mm256_loadu_ps(acc.data() + (m0 + r) * W + v0 + v * 8);
+        for (int64_t k = 0; k < kn; ++k) {
+          const float* wk = wbuf.data() + k * W + v0;
+          const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+          for (int r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_broadcast_ss(a.x + (m0 + r) * a.K + k0 + k);
+            c[r][0] = _mm256_fmadd_ps(xv, w0, c[r][0]);
+            c[r][1] = _mm256_fmadd_ps(xv, w1, c[r][1]);
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < 2; ++v) _mm256_storeu_ps(acc.data() + (m0 + r) * W + v0 + v * 8, c[r][v]);
+      }
+    };
+#endif
+    for (; m + 4 <= M; m += 4) rows(std::integral_constant<int, 4>{}, m);
+    for (; m < M; ++m) rows(std::integral_constant<int, 1>{}, m);
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < W; ++j) y[m * N + b0 * 8 + j] = from_f<T>(acc[m * W + j]);
+}
+#endif
+
 // All M rows for output blocks [b0, b1). The tile shapes only choose which elements are computed together.
 template <typename T>
 void w4a16_blocks(const W4Args& a, int64_t M, int64_t b0, int64_t b1, T* y, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (M >= kDequantRows && b1 - b0 == kChunkBlocks) return chunk_many_rows(a, M, b0, y, N);
+#endif
 #if defined(__AVX512F__)
   if (b1 - b0 == kChunkBlocks) {
     int64_t m = 0;
