@@ -128,3 +128,17 @@ def test_qwen3_model_card_rope_scaling_form_loads_the_same(yarn_ckpt, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     assert ModelConfig.from_dir(dst).rope == ModelConfig.from_dir(yarn_ckpt).rope
     assert ModelConfig.from_dir(dst).rope.rope_type == "yarn"
+
+
+def test_linear_model_equals_transformers(ckpts, bf16_engine):
+    from transformers import AutoModelForCausalLM
+
+    folder = ckpts.get("tiny-linear", "bf16", rope_scaling={"rope_type": "linear", "factor": 2.0},
+                       max_position_embeddings=128)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    eng = make_engine(folder, max_model_len=None)
+    assert eng.max_model_len == 256
+    ids = eng.tokenizer.encode(TEXT)
+    ours = torch.tensor(eng.score(ids)[1:])
+    torch.testing.assert_close(ours, _hf_logprobs(hf, ids), rtol=0, atol=1e-4)
+    assert (torch.tensor(bf16_engine.score(ids)[1:]) - ours).abs().mean() > 100 * 1e-4
