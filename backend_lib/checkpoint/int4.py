@@ -96,7 +96,8 @@ def _bits(qc: dict) -> None:
 
 
 def _group_size(value, where: str) -> int | None:
-    if value in (-1, None) and where.endswith("group_size"):
+    """GPTQ / AWQ group_size: -1 (or null) is channel-wise, else a positive multiple of 8."""
+    if value in (-1, None):
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 8:
         raise CheckpointError(f"quantization_config.{where}: {value!r} is not supported "
