@@ -142,3 +142,21 @@ def test_linear_model_equals_transformers(ckpts, bf16_engine):
     ours = torch.tensor(eng.score(ids)[1:])
     torch.testing.assert_close(ours, _hf_logprobs(hf, ids), rtol=0, atol=1e-4)
     assert (torch.tensor(bf16_engine.score(ids)[1:]) - ours).abs().mean() > 100 * 1e-4
+
+
+def test_rotary_table_equals_transformers_up_to_128k_positions():
+    """Qwen3's documented YaRN config (32,768 x 4): our cos / sin rows at the last positions of the 131,072 equal
+    transformers' Qwen3RotaryEmbedding's (which multiplies the attention factor into cos and sin as we do)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    cfg = {"max_position_embeddings": 40960, "rope_theta": 1e6, "head_dim": 128,
+           "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    rope = parse_rope(cfg)
+    assert rope.max_positions == 131072
+    table = rope.cos_sin(128, rope.max_positions)
+    hf = Qwen3RotaryEmbedding(Qwen3Config(**cfg))
+    positions = torch.tensor([[0, 1, 32767, 32768, 100000, 131070, 131071]])
+    cos, sin = hf(torch.zeros(1, positions.shape[1], 128), positions)
+    torch.testing.assert_close(table[positions[0], :64], cos[0, :, :64], rtol=0, atol=0)
+    torch.testing.assert_close(table[positions[0], 64:], sin[0, :, :64], rtol=0, atol=0)
