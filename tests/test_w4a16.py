@@ -308,3 +308,19 @@ def test_isa_paths_give_the_same_bits(tmp_path):
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         got = getattr(torch.ops, lib).w4a16_linear(x, *prepared)
         assert torch.equal(got, want), lib
+
+
+def test_unpacked_int8_zero_points_of_older_compressed_tensors_load_the_same(int4_ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = int4_ckpt("ct-g64-asym")
+    dst = tmp_path / "old-zp"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".weight_zero_point")]:
+        packed = tensors[name]                                           # int32 [N/8, G], packed along N
+        codes = ((packed.t()[..., None] >> torch.arange(0, 32, 4, dtype=torch.int32)) & 15).reshape(packed.shape[1], -1)
+        tensors[name] = (codes.t() - 8).to(torch.int8).contiguous()      # signed, [N, G]
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    ours, old = _ours(src), _ours(dst)
+    assert all(torch.equal(ours[n], old[n]) for n in ours)

@@ -6,7 +6,7 @@ input columns, or one group per row for channel-wise):
 - compressed-tensors `pack-quantized` (llmcompressor's W4A16 / W4A16_ASYM):
   `weight_packed` int32 [N, K/8], eight 4-bit codes per word along K, code i at bits 4i, stored as
   q + 8 (signed q in [-8, 7]); `weight_scale` [N, G]; `weight_zero_point` int32 [N/8, G] (asymmetric only:
-  packed along N the same way, zp + 8); `weight_shape` [2] = [N, K]; `weight_g_idx` [K] with activation
+  packed along N the same way, zp + 8; int8 [N, G] unpacked in older compressed-tensors versions); `weight_shape` [2]; `weight_g_idx` [K] with activation
   ordering `group`. W = (q - zp) * scale.
 - GPTQ (`quant_method: gptq`, AutoGPTQ / gptqmodel `checkpoint_format: gptq`): `qweight` int32 [K/8, N],
   packed along K (code i of word j is column 8j + i, bits 4i); `qzeros` int32 [G, N/8] packed along N;
@@ -197,8 +197,14 @@ def read_int4(store, name: str, n_out: int, k_in: int, args: Int4Args) -> Int4We
                     raise CheckpointError(f"tensor '{name}.weight_zero_point' is non-zero in a symmetric scheme")
             zeros = torch.full((n_out, g), 8.0)
         else:
-            zp = store.get(f"{name}.weight_zero_point", (n_out // 8, g), (torch.int32,))
-            zeros = _unpack_rows(zp.t().contiguous()).t().float()          # packed along N
+            zp = store.get(f"{name}.weight_zero_point", None, (torch.int32, torch.int8))
+            if zp.dtype == torch.int8 and tuple(zp.shape) == (n_out, g):
+                zeros = zp.float() + 8        # older compressed-tensors versions stored signed zero points unpacked
+            elif zp.dtype == torch.int32 and tuple(zp.shape) == (n_out // 8, g):
+                zeros = _unpack_rows(zp.t().contiguous()).t().float()      # packed along N
+            else:
+                raise CheckpointError(f"tensor '{name}.weight_zero_point' has shape {list(zp.shape)} ({zp.dtype}), "
+                                      f"expected int32 [{n_out // 8}, {g}] (packed) or int8 [{n_out}, {g}]")
         if store.has(f"{name}.weight_g_idx"):
             g_idx_name = f"{name}.weight_g_idx"
     elif args.format == "gptq":
