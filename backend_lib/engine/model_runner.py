@@ -33,6 +33,8 @@ class ModelRunner:
         self.steps = 0
 
     def prepare(self, plan: list[tuple[Sequence, int]]):
+        if all(n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in plan):
+            return self.prepare_decode(plan)
         S = self.page_size
         ids: list[int] = []
         positions: list[int] = []
@@ -63,6 +65,26 @@ class ModelRunner:
         )
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
                 meta, sample_rows, sample_seqs)
+
+    def prepare_decode(self, plan: list[tuple[Sequence, int]]):
+        """A decode step: three small host-to-device copies (ids, block tables, cached lengths); the rest of
+        the metadata is derived on the device (AttentionMetadata.for_decode)."""
+        width = max(len(seq.block_table) for seq, _ in plan)
+        tables = torch.zeros((len(plan), width), dtype=torch.int32)
+        for b, (seq, _) in enumerate(plan):
+            tables[b, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        dev = self.device
+        ids = torch.tensor([seq.tokens[seq.num_computed] for seq, _ in plan], dtype=torch.int64, device=dev)
+        context = torch.tensor([seq.num_computed for seq, _ in plan], dtype=torch.int32, device=dev)
+        meta, positions = AttentionMetadata.for_decode(tables.to(dev), context, self.page_size)
+        return ids, positions, meta, list(range(len(plan))), [seq for seq, _ in plan]
+
+    def decode_logits(self, input_ids: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor) -> torch.Tensor:
+        """The device side of a decode step, from device tensors only: fp32 logits [B, vocab]. Nothing here
+        reads a device value on the host (tests/test_no_host_sync.py runs it under FakeTensorMode)."""
+        meta, positions = AttentionMetadata.for_decode(block_tables, context_lens, self.page_size)
+        return self.model.logits(self.model(input_ids, positions, self.kv_cache, meta))
 
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sample | SampleError]]:

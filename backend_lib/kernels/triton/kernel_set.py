@@ -8,7 +8,9 @@ from . import ops
 def _qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads, num_kv_heads, eps):
     q, k = ops.qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads, num_kv_heads, eps)
     d = cos_sin.shape[1]
-    v = qkv[:, (num_heads + num_kv_heads) * d:].reshape(qkv.shape[0], num_kv_heads, d)   # a view, as the reference
+    # a view, as the reference's; narrow rather than [:, a:], which fake CUDA tensors of a CPU-only torch
+    # (tests/test_no_host_sync.py) cannot index
+    v = qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).reshape(qkv.shape[0], num_kv_heads, d)
     return q, k, v
 
 
