@@ -82,7 +82,7 @@ def variants() -> list[Variant]:
             add(norm.silu_mul_kernel, {"x_ptr": bf, "y_ptr": bf}, {"BLOCK": 1024, "XD": 1}, {}, "silu_mul")
             add(attention.write_kv_kernel, {"k_ptr": bf, "v_ptr": bf, "kc_ptr": bf, "vc_ptr": bf,
                                             "slot_ptr": "*i64"},
-                {"D": d, "PAGE": PAGE, "KW": key_block_width(PAGE)}, {}, "write_kv")
+                {"D": d, "PAGE": PAGE, "KW": 1}, {}, "write_kv")      # the set's own row-by-row layout
             for o, code in (("fp32", 0), ("bf16", 1)):
                 add(attention.rotate_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32", "y_ptr": f"*{o}"},
                     {"D": d, "BLOCK_M": 16, "BLOCK_K": min(d, 32), "OUT": code, "INTERP": False}, {},
@@ -102,7 +102,8 @@ def variants() -> list[Variant]:
                 {"q_ptr": "*fp32" if tq else bf, "o_ptr": "*fp32" if tq else bf, "k_ptr": kv, "v_ptr": kv,
                  "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cent_ptr": "*fp32", "bt_ptr": "*i32", "qsl_ptr": "*i32",
                  "lens_ptr": "*i32", "sm_scale": "fp32"},
-                {"G": g, "GP": triton.next_power_of_2(g), "HALF": d // 2, "PAGE": PAGE, "KW": key_block_width(PAGE),
+                {"G": g, "GP": triton.next_power_of_2(g), "HALF": d // 2, "PAGE": PAGE,
+                 "KW": key_block_width(PAGE) if tq else 1,   # TQ codes blocked; dense K row by row
                  "TQ": tq, "OUT": 0 if tq else 1, "PD": 0 if tq else 1, "INTERP": False, "PREC": 0,
                  **attention.tile(g, tq)}, attention.GPU_LAUNCH, f"attention {'tq' if tq else 'bf16'} group={g}")
     return out

@@ -1,8 +1,10 @@
 """Paged attention over block tables (prefill, chunked prefill and decode in one kernel), the KV writes, and
 TurboQuant: encode-and-write, attention in the rotated space, the row rotations.
 
-The caches keep the layout of kv_cache/ (K in blocks of KW keys, transposed; V row by row): every key is
-gathered through the block table with its own address, so any page size works and nothing is copied.
+Dense caches: this set's own layout, K and V row by row [pages, KVH, page_size, D] (kv_shapes); the kernels
+read the other sets' blocked K (KW keys transposed) as well. TurboQuant caches keep kv_cache/turboquant.py's
+layout. Every key is gathered through the block table with its own address, so any page size works and
+nothing is copied.
 
 Batch invariance and row identity. A program takes BLOCK_T query tokens of one sequence times the G query
 heads of one KV head (GQA: the K/V tile is read once for the group), and walks the keys in BLOCK_N blocks at
@@ -148,7 +150,7 @@ def _launch(q, out, k, v, ks, vs, cent, block_tables, query_start_loc, seq_lens,
     t, h, d = q.shape
     kvh = k.shape[1]
     page = v.shape[2]
-    kw = k.shape[-1]
+    kw = key_width(k)
     g = h // kvh
     b = block_tables.shape[0]
     if t == 0 or b == 0:
@@ -167,6 +169,18 @@ def _launch(q, out, k, v, ks, vs, cent, block_tables, query_start_loc, seq_lens,
         PD=out_code(v.dtype) if not tq else 0, INTERP=INTERPRET, PREC=int(q.dtype == torch.float32), **cfg,
         **GPU_LAUNCH)
     return out
+
+
+def kv_shapes(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
+    """This set's dense layout: K and V row by row, [pages, KVH, page_size, D] (a key's D values contiguous:
+    coalesced loads). The kernels also read the blocked layout of the other sets (5-D K), as the tests do."""
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    return shape, shape
+
+
+def key_width(k_cache) -> int:
+    """Keys per transposed block: the last dim of a blocked 5-D K, 1 for row-by-row K (stride(2) is a row)."""
+    return k_cache.shape[-1] if k_cache.dim() == 5 else 1
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
@@ -201,7 +215,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     v = v.to(v_cache.dtype)
     write_kv_kernel[(t, kvh)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
                               v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-                              v_cache.stride(1), v_cache.stride(2), D=d, PAGE=v_cache.shape[2], KW=k_cache.shape[-1])
+                              v_cache.stride(1), v_cache.stride(2), D=d, PAGE=v_cache.shape[2], KW=key_width(k_cache))
 
 
 # ----- TurboQuant -------------------------------------------------------------------------------------------

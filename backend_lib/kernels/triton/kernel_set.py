@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..contract import Kernels
 from . import ops
+from .attention import kv_shapes
 
 
 def _qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads, num_kv_heads, eps):
@@ -29,4 +30,5 @@ KERNELS = Kernels(
     paged_attention=ops.paged_attention,
     tq_write=ops.tq_write,
     tq_paged_attention=ops.tq_paged_attention,
+    kv_shapes=kv_shapes,
 )
