@@ -199,7 +199,8 @@ PROMPT = "Hello there, how are you doing today? The weather is fine and the sea 
 
 def _generate(ckpt, kernels, dtype, kv_cache):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "backend_lib.generate", "--checkpoint", str(ckpt), "--kernels", kernels,
+    proc = subprocess.run([sys.executable, "-m", "backend_lib.generate", "--checkpoint", str(ckpt),
+                           "--kernels", kernels,
                            "--dtype", dtype, "--kv-cache", kv_cache, "--page-size", "16",
                            "--prompt", PROMPT, "--max-tokens", "6",
                            "--temperature", "0", "--ignore-eos", "--json"],

@@ -132,7 +132,7 @@ def float_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None
     if m:
         cfg = FLOAT_CONFIG
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+        full = torch.float32 in (x2.dtype, w.dtype) or x2.dtype != w.dtype    # fp32 operands: no TF32
         float_linear_kernel[grid](x2, w, y, m, n, k, x2.stride(0), y.stride(0), OUT=out_code(out_dtype),
-                                  INTERP=INTERPRET, PREC=int(torch.float32 in (x2.dtype, w.dtype) or x2.dtype != w.dtype),
-                                  **cfg)
+                                  INTERP=INTERPRET, PREC=int(full), **cfg)
     return y.reshape(*shape[:-1], n)
