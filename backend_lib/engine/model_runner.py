@@ -11,6 +11,7 @@ from ..kv_cache import allocate_kv_cache
 from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
 from ..sampling.sampler import Sample, SampleError, Sampler
+from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,15 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels, cfg.kv_cache_memory,
                                           cfg.page_size, max_model_len, cfg.max_num_seqs, seed=cfg.tq_seed)
         self.sampler = Sampler()
+        # decode replayed from CUDA graphs: the Triton set only (its KV writes skip the padding rows)
+        self.graphs = None
+        if cfg.cuda_graphs and device.type == "cuda" and kernels.name == "triton":
+            self.graphs = DecodeGraphs(self, cfg.max_num_seqs, -(-max_model_len // cfg.page_size))
         self.fault_every = fault_every
         self.steps = 0
 
     def prepare(self, plan: list[tuple[Sequence, int]]):
-        if all(n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in plan):
+        if self.is_decode(plan):
             return self.prepare_decode(plan)
         S = self.page_size
         ids: list[int] = []
@@ -66,9 +71,12 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
                 meta, sample_rows, sample_seqs)
 
-    def prepare_decode(self, plan: list[tuple[Sequence, int]]):
-        """A decode step: three small host-to-device copies (ids, block tables, cached lengths); the rest of
-        the metadata is derived on the device (AttentionMetadata.for_decode)."""
+    @staticmethod
+    def is_decode(plan: list[tuple[Sequence, int]]) -> bool:
+        return all(n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in plan)
+
+    def decode_inputs(self, plan: list[tuple[Sequence, int]]):
+        """A decode step's three small host-to-device copies: ids [B], block tables [B, W], cached lengths [B]."""
         width = max(len(seq.block_table) for seq, _ in plan)
         tables = torch.zeros((len(plan), width), dtype=torch.int32)
         for b, (seq, _) in enumerate(plan):
@@ -76,7 +84,12 @@ class ModelRunner:
         dev = self.device
         ids = torch.tensor([seq.tokens[seq.num_computed] for seq, _ in plan], dtype=torch.int64, device=dev)
         context = torch.tensor([seq.num_computed for seq, _ in plan], dtype=torch.int32, device=dev)
-        meta, positions = AttentionMetadata.for_decode(tables.to(dev), context, self.page_size)
+        return ids, tables.to(dev), context
+
+    def prepare_decode(self, plan: list[tuple[Sequence, int]]):
+        """A decode step: the rest of the metadata is derived on the device (AttentionMetadata.for_decode)."""
+        ids, tables, context = self.decode_inputs(plan)
+        meta, positions = AttentionMetadata.for_decode(tables, context, self.page_size)
         return ids, positions, meta, list(range(len(plan))), [seq for seq, _ in plan]
 
     def decode_logits(self, input_ids: torch.Tensor, block_tables: torch.Tensor,
@@ -92,11 +105,16 @@ class ModelRunner:
         self.steps += 1
         if self.fault_every and self.steps % self.fault_every == 0:
             raise InjectedFault(f"injected fault at step {self.steps} (fault_injection every:{self.fault_every})")
-        input_ids, positions, meta, rows, seqs = self.prepare(plan)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        if not seqs:
-            return []
-        logits = self.model.logits(hidden[rows])
+        if self.graphs is not None and self.is_decode(plan) and \
+                self.graphs.fits(len(plan), max(len(seq.block_table) for seq, _ in plan)):
+            seqs = [seq for seq, _ in plan]
+            logits = self.graphs.run(*self.decode_inputs(plan))
+        else:
+            input_ids, positions, meta, rows, seqs = self.prepare(plan)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            if not seqs:
+                return []
+            logits = self.model.logits(hidden[rows])
         samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
         return list(zip(seqs, samples))
 
