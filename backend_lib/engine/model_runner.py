@@ -115,7 +115,9 @@ class ModelRunner:
             if not seqs:
                 return []
             logits = self.model.logits(hidden[rows])
-        samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
+        samples = self.sampler.greedy_on_device(logits, seqs) if logits.device.type != "cpu" else None
+        if samples is None:
+            samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
         return list(zip(seqs, samples))
 
     @torch.inference_mode()
