@@ -25,8 +25,9 @@ class EngineConfig:
     max_waiting_requests: int = 256        # beyond this, new requests are refused at once (UNAVAILABLE)
     enable_prefix_caching: bool = True     # full KV pages cached by content and reused by later prompts
     tq_seed: int = 0
-    kernels: str = "auto"                  # auto | reference | cpu | triton
+    kernels: str = "auto"                  # auto | reference | cpu | triton | npu
     kernel_cache_dir: str | None = None
+    cuda_graphs: bool = True               # decode replayed from CUDA graphs (CUDA + the Triton kernels)
     num_threads: int | None = None         # default: one per core of cpu_cores, else torch's
     cpu_cores: str | None = None           # '0-3,6': the cores this engine computes on (cpu_policy.py)
     fault_injection: str | None = None     # test hook: "every:N" raises inside every Nth model step
@@ -52,8 +53,9 @@ class EngineConfig:
                 kwargs[key] = _to_int(key, kwargs[key])
             elif key in kwargs:
                 kwargs.pop(key)
-        if "enable_prefix_caching" in kwargs:
-            kwargs["enable_prefix_caching"] = _to_bool("enable_prefix_caching", kwargs["enable_prefix_caching"])
+        for key in ("enable_prefix_caching", "cuda_graphs"):
+            if key in kwargs:
+                kwargs[key] = _to_bool(key, kwargs[key])
         for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)

@@ -19,7 +19,7 @@ import torch
 from .. import cpu_policy
 from ..checkpoint import ModelConfig, parse_quantization_config
 from ..config import EngineConfig, fault_every
-from ..device import parse_dtype, resolve_device, trim_host_memory
+from ..device import bind_device, parse_dtype, resolve_device, trim_host_memory
 from ..kernels import get_kernels
 from ..kv_cache import BlockManager
 from ..kv_cache.pool import pool_token_capacity
@@ -58,6 +58,7 @@ class LLMEngine:
         self.cfg = cfg
         t0 = time.time()
         self.device = resolve_device(cfg.device)
+        bind_device(self.device)       # LLMEngine is built in the engine thread (EngineLoop.build)
         self.dtype = parse_dtype(cfg.dtype, self.device)
         cores, _ = cpu_policy.apply(cfg.cpu_cores, cfg.num_threads)
         self.model_config = mc = ModelConfig.from_dir(cfg.checkpoint)

@@ -89,6 +89,26 @@ class Sampler:
             self._mask = torch.empty((vocab + 31) // 32, dtype=torch.int32)
         return self._mask
 
+    @staticmethod
+    def _plain_greedy(s) -> bool:
+        """A row __call__ would only argmax: greedy, no penalty, no min_tokens block, no grammar, no logprobs."""
+        p = s.params
+        return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                and len(s.output_ids) >= p.min_tokens and p.logprobs is None
+                and not (s.grammar is not None and s.grammar.active))
+
+    def greedy_on_device(self, logits: torch.Tensor, seqs: list) -> list[Sample] | None:
+        """Where every row is plain greedy and finite, __call__'s result computed where the logits are: only B
+        token ids (and B finiteness flags) travel to the host instead of B x vocab logits. None otherwise
+        (the caller then runs __call__ on the host copy, which also words any non-finite row's error)."""
+        if not seqs or not all(self._plain_greedy(s) for s in seqs):
+            return None
+        logits = logits.float()
+        picks = torch.stack([logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()]).cpu()
+        if not bool(picks[1].all()):
+            return None
+        return [Sample(int(t)) for t in picks[0].tolist()]
+
     def __call__(self, logits: torch.Tensor, seqs: list) -> list[Sample | SampleError]:
         """logits: fp32 [B, V], row b belongs to seqs[b]."""
         logits = logits.float()
