@@ -29,6 +29,7 @@ class EngineConfig:
     kernel_cache_dir: str | None = None
     num_threads: int | None = None         # default: one per core of cpu_cores, else torch's
     cpu_cores: str | None = None           # '0-3,6': the cores this engine computes on (cpu_policy.py)
+    cpu_share: str | None = None           # set by the launcher: the cores shared with the other LLM models
     fault_injection: str | None = None     # test hook: "every:N" raises inside every Nth model step
     limits: SamplingLimits = field(default_factory=SamplingLimits)
 
@@ -54,7 +55,7 @@ class EngineConfig:
                 kwargs.pop(key)
         if "enable_prefix_caching" in kwargs:
             kwargs["enable_prefix_caching"] = _to_bool("enable_prefix_caching", kwargs["enable_prefix_caching"])
-        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores"):
+        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores", "cpu_share"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
@@ -92,6 +93,9 @@ class EngineConfig:
         if self.cpu_cores:
             from .cpu_policy import parse_cores
             parse_cores(self.cpu_cores)
+        if self.cpu_share:
+            from .cpu_policy import parse_share
+            parse_share(self.cpu_share)
         if self.fault_injection:
             fault_every(self.fault_injection)
         return self
