@@ -1,23 +1,14 @@
 """Pure-PyTorch reference kernels: correct on any device, the yardstick for every optimized kernel.
 
-Shapes used throughout (T = tokens in the step, B = sequences in the step):
-  hidden x            [T, K]
-  q / k / v           [T, H, D] / [T, KVH, D] / [T, KVH, D]
-  dense KV cache      K [num_pages, KVH, page_size / KW, D, KW]: blocks of KW keys (32, or 16 when the
-                      page size is not a multiple of 32), transposed, so a vector holds one dimension of
-                      consecutive keys; V [num_pages, KVH, page_size, D]; per layer
-  block_tables        [B, max_pages] int32 (page ids of each sequence, padded)
-  query_start_loc     [B + 1] int32 (row offsets of each sequence's queries in q)
-  seq_lens            [B] int32 (tokens in the cache for the sequence after this step)
-  slot_mapping        [T] int64 (page * page_size + offset where each new K/V row goes)
+Shapes and slot semantics: kernels/contract.py.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..kv_cache.layout import key_blocks_to_rows
-from ..kv_cache.tq_codec import tq_encode, tq_unpack
+from ...kv_cache.layout import key_blocks_to_rows
+from ...kv_cache.tq_codec import tq_encode, tq_unpack
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,35 @@
+"""The compiled CPU kernel set: C++ kernels (csrc/) built at load by build.py and cached on disk.
+
+Batch invariant like every set; the A8W8 GEMM is VNNI / AVX2 int8 with exact int32 accumulation.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..contract import Kernels
+from .build import load_cpu_extension
+
+__all__ = ["load"]
+
+
+def load(cache_dir=None) -> Kernels | None:
+    """The CPU set, or None where the C++ kernels cannot be built (no compiler)."""
+    if not load_cpu_extension(cache_dir):
+        return None
+    ops = torch.ops.qwen3_cpu
+    return Kernels(
+        name="cpu",
+        rms_norm=ops.rms_norm,
+        add_rms_norm=ops.add_rms_norm,
+        qk_norm_rope=ops.qk_norm_rope,
+        silu_mul=ops.silu_mul,
+        a8w8_prepare=lambda w_q, w_scale: (ops.a8w8_pack(w_q), w_scale.float().contiguous(), ops.a8w8_colsum(w_q)),
+        a8w8_linear=lambda x, prepared: ops.a8w8_linear(x, *prepared),
+        float_prepare=lambda w: (ops.float_pack(w), w.shape[0], w.shape[1]),
+        float_linear=lambda x, p, out_dtype=None: ops.float_linear(x, p[0], p[1], out_dtype),
+        float_rows=lambda p, ids: ops.float_packed_rows(p[0], ids, p[2]),
+        write_kv=ops.write_kv,
+        paged_attention=ops.paged_attention,
+        tq_write=ops.tq_write,
+        tq_paged_attention=ops.tq_paged_attention,
+    )
