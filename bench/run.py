@@ -301,6 +301,11 @@ def main(argv=None) -> int:
 
         workers = {"engine A8W8": Worker("engine-a8w8-3", engine + ["--checkpoint", str(ck["a8w8"])], out_dir)}
         workers["tritonserver qwen3_a8w8"] = TritonSystem(ck["a8w8"], out_dir)
+        # both LLM models loaded, qwen3_tq idle: the launcher's work-conserving share, and its static split
+        workers["tritonserver, qwen3_tq loaded too"] = TritonSystem(ck["a8w8"], out_dir, cotenant=ck["bf16"],
+                                                                    tag="-shared")
+        workers["tritonserver, qwen3_tq loaded, static split"] = TritonSystem(
+            ck["a8w8"], out_dir, cotenant=ck["bf16"], env={"QWEN3_CPU_PARTITION": "static"}, tag="-static")
         try:
             for b in (1, 16):
                 add_decode("triton", decode_rates(workers, b, 128, 128, repeats), b, 128, 128)
