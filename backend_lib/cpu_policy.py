@@ -193,6 +193,7 @@ class CoreShare:
         set_team(cores, len(cores))
         self.current = cores
         self.switches += 1
+        log.debug("cpu_share: %d threads on cores %s (switch %d)", len(cores), format_cores(cores), self.switches)
 
     def close(self) -> None:
         self.idle()
