@@ -90,3 +90,20 @@ def test_greedy_on_device_equals_the_host_sampler_and_declines_what_it_cannot_do
     bad = logits.clone()
     bad[1, 0] = float("nan")
     assert s.greedy_on_device(bad, plain) is None
+
+
+def test_greedy_picks_and_nonfinite_rows_match_the_plain_torch_rules():
+    from backend_lib.sampling.sampler import greedy_picks, nonfinite_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 151936, generator=g)
+    x[1, 5] = x[1, 9] = 100.0                        # a tie: the first index wins
+    x[2] = float("-inf")
+    x[2, 7] = -1e30                                  # a masked row with one allowed token
+    x[3, :100] = 3e38                                # finite, but its sum overflows: not a bad row
+    x[4, 11] = float("nan")
+    x[5, 3] = float("inf")
+    rows = [0, 1, 2, 3]
+    assert greedy_picks(x, rows) == x[rows].argmax(dim=-1).tolist()
+    assert greedy_picks(x[:4], rows) == x[:4].argmax(dim=-1).tolist()
+    assert nonfinite_rows(x) == (~torch.isfinite(x).all(dim=-1)).nonzero().flatten().tolist() == [2, 4, 5]

@@ -26,7 +26,7 @@ class ModelRunner:
                  max_model_len: int, fault_every: int | None = None):
         self.device, self.page_size = device, cfg.page_size
         self.model = Qwen3ForCausalLM.from_checkpoint(WeightStore(cfg.checkpoint), model_config, scheme, dtype,
-                                                      device, kernels, max_model_len)
+                                                      device, kernels, max_model_len, cfg.lm_head_quant)
         self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels, cfg.kv_cache_memory,
                                           cfg.page_size, max_model_len, cfg.max_num_seqs, seed=cfg.tq_seed)
         self.sampler = Sampler()
