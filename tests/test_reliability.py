@@ -442,7 +442,10 @@ def test_sigterm_with_streams_in_flight_ends_every_stream_and_exits_promptly(tmp
         # every stream still in flight at the SIGTERM ends as aborted; on a fast host a stream that started
         # first can finish its tokens while the last ones are still waiting for their first token
         # (or in the moment the signal takes to arrive): those end with their length, the rest aborted
-        assert all(r == "abort" or (r == "length" and t < t0 + 0.5) for _, r, t in finals), finals
+        # (a host under load can take a while to act on the stop flag: a stream that ran to its length before the
+        # first abort went out had finished before the drain)
+        first_abort = min((t for _, r, t in finals if r == "abort"), default=t0)
+        assert all(r == "abort" or (r == "length" and t <= first_abort) for _, r, t in finals), finals
         assert sum(r == "abort" for _, r, _ in finals) >= 8, finals
         assert max(t for _, _, t in finals) - t0 < 5
         assert exit_s < 10, srv.log_tail(40)
