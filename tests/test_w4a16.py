@@ -242,6 +242,8 @@ def test_cpu_table_lookup_is_taken_only_where_exact():
     assert _lut_zero(scales, torch.full((64, 4), 8.0)) == -1.0
     assert _lut_zero(scales.bfloat16().float(), torch.randint(0, 17, (64, 4)).float()) == -1.0
     assert _lut_zero(torch.full((64, 4), 2.0 ** -120), torch.full((64, 4), 8.0)) == -1.0
+    with pytest.raises(ValueError, match="zero points must be integers"):   # the kernel subtracts 2^23 + zero
+        get_kernels("cpu").w4a16_prepare(torch.zeros(64, 128, dtype=torch.uint8), scales, torch.full((64, 4), 7.5))
 
 
 def _fp32_fma(a: float, b: float, c: float) -> float:

@@ -1,7 +1,8 @@
 // W4A16: int4 weight-only linear, y = x W^T with W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k / group.
 //
 // Arithmetic of every output element, whatever the ISA path, tile shape or batch: the weight is dequantized as
-// (float(q) - zero) * scale (zero an exact integer: the subtraction is exact, the product rounds once in fp32,
+// (float(q) - zero) * scale (zero an exact integer, |zero| <= 2^20, which w4a16_prepare checks: the subtraction
+// is exact, the product rounds once in fp32,
 // bit-equal to the reference's dequantized weight), then acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in
 // order, from acc = 0, in fp32; the result is rounded to the activation dtype once. Rows are therefore
 // bit-identical alone or batched, and the AVX-512, AVX2 and scalar paths give the same bits (an fma rounds once
@@ -13,7 +14,7 @@
 // Scales and zeros: fp32 [NP, G, 64] (padding outputs: 0 and 0, never stored).
 //
 // Why this order: batch-1 decode is one pass over the weights, so the loop must retire 8 bytes of codes (16
-// weights) in about a cycle to keep up with a core's DRAM bandwidth (~19 GB/s here). A panel is one
+// weights) in about a cycle to keep up with a core's DRAM bandwidth (A8W8 streams 33-42 GB/s here). A panel is one
 // sequential stream, and for one octet its 64 outputs are 256 contiguous bytes: one 64-byte load is 16 output
 // lanes x 8 columns, already in the lanes the accumulators need. Column j of the octet is brought down by one
 // vpsrld (4j) and made a float by one vpternlogd, (v & 0xF) | 0x4B000000 = 2^23 + q (q in the low mantissa
@@ -22,6 +23,7 @@
 // previous [N/8, K] layout (one word per column and 8 outputs) spent a scalar load, two broadcasts and an
 // insert per 16 weights on the shuffle pipes besides. Each broadcast x[k] is shared by every accumulator of the
 // tile: 8 zmm (2 panels) for one row, enough chains to cover the FMA latency; 4 zmm x up to 4 rows otherwise.
+// Batch 1 with one zero point for the whole weight (symmetric checkpoints) drops the multiply: tile_lut.
 #include <torch/library.h>
 #include <algorithm>
 #include <type_traits>
