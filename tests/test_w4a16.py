@@ -203,12 +203,18 @@ def test_batched_generation_equals_solo(int4_ckpt):
 @pytest.mark.parametrize("group", [32, 64, 128, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("permuted", [False, True])
-def test_kernel_rows_are_bit_identical_alone_or_batched(group, dtype, permuted):
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_kernel_rows_are_bit_identical_alone_or_batched(group, dtype, permuted, symmetric):
+    """symmetric: one zero point and bf16 scales, as symmetric checkpoints store them, where the CPU kernel's
+    batch-1 rows take its table lookup (with bf16 rows; fp32 rows keep the multiply) and the batched rows do not:
+    the same bits."""
     torch.manual_seed(0)
-    n, k = 136, 256                     # 17 output blocks of 8: a partial chunk of the CPU kernel too
+    n, k = 136, 256                     # 3 panels of 64 outputs, the last partial
     g = k // (group or k)
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scales, zeros = torch.rand(n, g) * 0.05 + 1e-3, torch.randint(0, 17, (n, g)).float()
+    if symmetric:
+        scales, zeros = scales.bfloat16().float(), torch.full((n, g), 8.0)
     perm = torch.randperm(k) if permuted else None
     x = torch.randn(21, k).to(dtype)
     for kernels in (get_kernels("cpu"), REFERENCE):
@@ -223,6 +229,57 @@ def test_kernel_rows_are_bit_identical_alone_or_batched(group, dtype, permuted):
     cpu = get_kernels("cpu").w4a16_linear(x, get_kernels("cpu").w4a16_prepare(codes, scales, zeros, perm))
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(cpu.double(), expected.to(dtype).double(), rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_cpu_table_lookup_is_taken_only_where_exact():
+    """The batch-1 table lookup (csrc/w4a16.cpp tile_lut) needs one zero point and scales of at most 20
+    significant bits; fp32 scales, or zero points that differ, keep the multiply."""
+    from backend_lib.kernels.cpu import _lut_zero
+
+    scales = torch.rand(64, 4) * 0.05 + 1e-3
+    assert _lut_zero(scales.bfloat16().float(), torch.full((64, 4), 8.0)) == 8.0
+    assert _lut_zero(scales.half().float(), torch.full((64, 4), 7.0)) == 7.0
+    assert _lut_zero(scales, torch.full((64, 4), 8.0)) == -1.0
+    assert _lut_zero(scales.bfloat16().float(), torch.randint(0, 17, (64, 4)).float()) == -1.0
+    assert _lut_zero(torch.full((64, 4), 2.0 ** -120), torch.full((64, 4), 8.0)) == -1.0
+    with pytest.raises(ValueError, match="zero points must be integers"):   # the kernel subtracts 2^23 + zero
+        get_kernels("cpu").w4a16_prepare(torch.zeros(64, 128, dtype=torch.uint8), scales, torch.full((64, 4), 7.5))
+
+
+def _fp32_fma(a: float, b: float, c: float) -> float:
+    """fma in fp32 exactly: a * b + c as a rational, rounded once to the nearest fp32 (ties to even)."""
+    import numpy as np
+    from fractions import Fraction
+
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    if exact == 0:
+        return 0.0
+    f = np.float32(float(exact))
+    cands = (np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf)))
+    return float(min(cands, key=lambda v: (abs(Fraction(float(v)) - exact), int(np.array(v).view(np.int32)) & 1)))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_cpu_kernel_batch1_equals_the_fma_chain(symmetric):
+    """One row against the contract's arithmetic written out: acc = fma(x[k], (q - zero) * scale, acc) in fp32 for
+    k in order, bit for bit; a bf16 row (the symmetric weight's table lookup) and an fp32 row with low mantissa
+    bits set (which the lookup refuses: the multiply)."""
+    torch.manual_seed(3)
+    n, k, g = 8, 64, 2
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = (torch.rand(n, g) * 0.05 + 1e-3).bfloat16().float()
+    zeros = torch.full((n, g), 8.0) if symmetric else torch.randint(0, 17, (n, g)).float()
+    w = (codes.float() - zeros.repeat_interleave(k // g, 1)) * scales.repeat_interleave(k // g, 1)
+    cpu = get_kernels("cpu")
+    prepared = cpu.w4a16_prepare(codes, scales, zeros, None)
+    for x in (torch.randn(1, k).bfloat16().float(), torch.randn(1, k)):
+        want = []
+        for i in range(n):
+            acc = 0.0
+            for j in range(k):
+                acc = _fp32_fma(x[0, j].item(), w[i, j].item(), acc)
+            want.append(acc)
+        assert torch.equal(cpu.w4a16_linear(x, prepared)[0], torch.tensor(want, dtype=torch.float32))
 
 
 def test_cpu_kernel_dequantizes_exactly_as_written():
@@ -297,8 +354,10 @@ def test_isa_paths_give_the_same_bits(tmp_path):
     scales, zeros = torch.rand(n, 3) * 0.05, torch.randint(0, 17, (n, 3)).float()
     perm = torch.randperm(k)
     prepared = cpu.w4a16_prepare(codes, scales, zeros, perm)
+    sym = cpu.w4a16_prepare(codes, scales.bfloat16().float(), torch.full_like(zeros, 8.0), perm)   # table lookup
     x = torch.randn(9, k).to(torch.bfloat16)
     want = cpu.w4a16_linear(x, prepared)
+    want_sym = [cpu.w4a16_linear(x[i:i + 1], sym) for i in range(3)]
     for lib, flags in (("qwen3_w4a16_noavx512", ["-mno-avx512f"]), ("qwen3_w4a16_scalar", ["-mno-avx2", "-mno-fma",
                                                                                              "-mno-avx512f"])):
         out = tmp_path / lib
@@ -308,6 +367,7 @@ def test_isa_paths_give_the_same_bits(tmp_path):
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         got = getattr(torch.ops, lib).w4a16_linear(x, *prepared)
         assert torch.equal(got, want), lib
+        assert all(torch.equal(getattr(torch.ops, lib).w4a16_linear(x[i:i + 1], *sym), want_sym[i]) for i in range(3))
 
 
 def test_unpacked_int8_zero_points_of_older_compressed_tensors_load_the_same(int4_ckpt, tmp_path):

@@ -13,14 +13,34 @@ __all__ = ["load"]
 
 
 def _w4a16_prepare(codes, scales, zeros, perm=None):
-    """(packed int32 [N/8, K], scales and zeros fp32 [N/8, G, 8], perm int64 [K] or empty): csrc/w4a16.cpp."""
+    """(packed int32 [N/64, K/8, 64], scales and zeros fp32 [N/64, G, 64], perm int64 [K] or empty, N, the zero
+    point of the batch-1 table lookup or -1): csrc/w4a16.cpp, panels of 64 outputs (padding: scale 0, zero 0)."""
     n, g = scales.shape
+    zeros = zeros.float()
+    # The AVX-512 path subtracts zeros as 2^23 + zero, exact for the integers every int4 format stores.
+    if not bool((zeros == zeros.round()).all()) or bool((zeros.abs() > 2 ** 20).any()):
+        raise ValueError("w4a16: zero points must be integers (int4 codes)")
+    panels = -(-n // 64)
 
     def blocked(t):
-        return t.float().reshape(n // 8, 8, g).transpose(1, 2).contiguous()
+        t = torch.cat([t.float(), t.new_zeros(panels * 64 - n, g, dtype=torch.float32)])
+        return t.reshape(panels, 64, g).transpose(1, 2).contiguous()
 
     perm = torch.empty(0, dtype=torch.int64) if perm is None else perm.to(torch.int64).contiguous()
-    return torch.ops.qwen3_cpu.w4a16_pack(codes), blocked(scales), blocked(zeros), perm
+    return torch.ops.qwen3_cpu.w4a16_pack(codes), blocked(scales), blocked(zeros), perm, n, _lut_zero(scales, zeros)
+
+
+def _lut_zero(scales, zeros) -> float:
+    """The one zero point of the weight when csrc/w4a16.cpp's batch-1 table lookup is exact for it, else -1: all
+    zeros one integer in [0, 16], every scale zero or normal in [2^-100, 2^100] with its low 4 mantissa bits zero
+    (at most 20 significant bits: bf16 and fp16 scales, as checkpoints store them)."""
+    z0 = float(zeros.flatten()[0]) if zeros.numel() else -1.0
+    s = scales.float()
+    bits = s.view(torch.int32)
+    exact = ((bits & 0xF) == 0) & ((s == 0) | ((s.abs() >= 2.0 ** -100) & (s.abs() <= 2.0 ** 100)))
+    if not (0 <= z0 <= 16 and bool((zeros == z0).all()) and bool(exact.all())):
+        return -1.0
+    return z0
 
 
 def load(cache_dir=None) -> Kernels | None:
