@@ -10,6 +10,7 @@ from ..checkpoint import WeightStore
 from ..kv_cache import allocate_kv_cache
 from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
+from ..sampling.device_sampler import DeviceSampler
 from ..sampling.sampler import Sample, SampleError, Sampler
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
@@ -30,6 +31,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels, cfg.kv_cache_memory,
                                           cfg.page_size, max_model_len, cfg.max_num_seqs, seed=cfg.tq_seed)
         self.sampler = Sampler()
+        # CUDA: the batched pass where the logits are (ids and logprobs travel, not B x vocab logits)
+        self.device_sampler = DeviceSampler(self.sampler) if device.type == "cuda" else None
         # decode replayed from CUDA graphs: the Triton set only (its KV writes skip the padding rows)
         self.graphs = None
         if cfg.cuda_graphs and device.type == "cuda" and kernels.name == "triton":
@@ -115,6 +118,8 @@ class ModelRunner:
             if not seqs:
                 return []
             logits = self.model.logits(hidden[rows])
+        if self.device_sampler is not None:
+            return list(zip(seqs, self.device_sampler(logits, seqs)))
         samples = self.sampler.greedy_on_device(logits, seqs) if logits.device.type != "cpu" else None
         if samples is None:
             samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
