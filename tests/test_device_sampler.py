@@ -176,3 +176,15 @@ def test_the_engine_with_the_device_sampler_gives_the_host_samplers_outputs(bf16
         eng.runner.device_sampler = None
     assert [r["output_ids"] for r in dev] == [r["output_ids"] for r in host]
     assert all(r["error"] is None for r in dev)
+
+
+def test_numerically_extreme_parameters_give_the_host_samplers_ids():
+    """tests/test_isolation.py's extremes (overflowing temperatures and penalties, vanishing top_p, min_p 1)."""
+    from test_isolation import EXTREMES
+
+    kinds = [{k: v for k, v in e.items() if k not in ("max_tokens", "seed")} for e in EXTREMES]
+    for step in range(8):
+        logits = torch.randn(len(kinds), V, generator=torch.Generator().manual_seed(50 + step)) * 4
+        host, dev = Sampler()(logits, _seqs(step, kinds)), DeviceSampler()(logits, _seqs(step, kinds))
+        _same(host, dev)
+        assert all(isinstance(x, device_sampler.Sample) for x in dev)
