@@ -121,6 +121,54 @@ def test_paged_attention_rows_are_identical_in_prompt_chunk_decode_and_any_batch
     assert torch.equal(mixed[5], whole[20])
 
 
+class _Launches:
+    """Counts the launches of a kernel (the module attribute replaced), passing them on."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n = kernel, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.kernel[grid]
+
+
+def test_flash_decoding_splits_give_decode_rows_the_prefill_bits_in_any_batch(monkeypatch):
+    """Decode over long contexts (several splits of SPLIT keys, each its own program, merged by combine_kernel):
+    each row equals the same position in a whole prompt (where one program walks the splits), alone or beside
+    other sequences of other lengths and a padding row, and agrees with the reference."""
+    from backend_lib.kernels.triton import attention
+
+    combine = _Launches(attention.combine_kernel)
+    monkeypatch.setattr(attention, "combine_kernel", combine)
+    S = attention.SPLIT
+    lens = [3 * S + 5, S + 1, 2 * S]
+    q, kc, vc, bt, _, _ = _paged_setup(torch.bfloat16, seq_lens=lens, q_lens=lens, page_size=16, kvh=2, h=4, d=32)
+    starts = [0, lens[0], lens[0] + lens[1]]
+    def one_seq(i, rows, n_q, n):
+        return TRI.paged_attention(rows, kc, vc, bt[i:i + 1], torch.tensor([0, n_q], dtype=torch.int32),
+                                   torch.tensor([n], dtype=torch.int32), 0.1)
+    whole = [one_seq(i, q[a:a + n], n, n) for i, (a, n) in enumerate(zip(starts, lens))]
+    assert combine.n == 0                                    # prefill: the programs walk their splits
+    pos = [3 * S + 4, S, 2 * S - 1]                          # the last position of each: 4, 2 and 2 splits
+    alone = [one_seq(i, q[a + p:a + p + 1], 1, p + 1) for i, (a, p) in enumerate(zip(starts, pos))]
+    assert combine.n == 3
+    for i in range(3):
+        assert torch.equal(alone[i][0], whole[i][pos[i]]), i
+    # a batch in another order, with an earlier position of sequence 0 and a padding row (no keys)
+    rows = [2, 0, 1, 0]
+    ps = [pos[2], pos[0], pos[1], S + 3]
+    qs = torch.cat([q[starts[r] + p:starts[r] + p + 1] for r, p in zip(rows, ps)] + [q[:1]])
+    batch = TRI.paged_attention(qs, kc, vc, bt[rows + [0]], torch.arange(6, dtype=torch.int32),
+                                torch.tensor([p + 1 for p in ps] + [0], dtype=torch.int32), 0.1)
+    assert combine.n == 4
+    for j, (r, p) in enumerate(zip(rows, ps)):
+        assert torch.equal(batch[j], whole[r][p]), j
+    assert not batch[4].any()
+    ref_out = ref.paged_attention(q[pos[0]:pos[0] + 1], kc, vc, bt[:1], torch.tensor([0, 1], dtype=torch.int32),
+                                  torch.tensor([pos[0] + 1], dtype=torch.int32), 0.1)
+    torch.testing.assert_close(alone[0].float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_the_set_owns_a_row_by_row_kv_layout_and_attends_over_it_like_the_reference():
     """Dense caches in the Triton set's layout ([P, KVH, S, D]) and in the blocked one, written through each set's
     write_kv from the same rows: the same attention (decode, a chunk over cached tokens, a prompt)."""
@@ -188,7 +236,7 @@ def test_tq_attention_matches_the_reference_and_rows_are_invariant():
                                rtol=1e-4, atol=1e-5)
     whole = TRI.tq_paged_attention(q[21:61], *args, bt[2:], torch.tensor([0, 40], dtype=torch.int32),
                                    torch.tensor([40], dtype=torch.int32), rot, cents, 0.1)
-    for pos in (0, 16, 39):
+    for pos in (0, 16, 39):     # 40 keys in 3 pages of 16: decode in split programs
         one = TRI.tq_paged_attention(q[21 + pos:22 + pos], *args, bt[2:], torch.tensor([0, 1], dtype=torch.int32),
                                      torch.tensor([pos + 1], dtype=torch.int32), rot, cents, 0.1)
         assert torch.equal(one[0], whole[pos]), pos

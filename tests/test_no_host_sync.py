@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton", reason="the triton package is not installed (pip install -e '.[test]')")
 
@@ -91,3 +92,64 @@ def test_device_decode_metadata_equals_the_host_construction():
     assert meta.slot_mapping.tolist() == [1 * 16 + 1, 4 * 16 + 8]
     assert meta.query_start_loc.tolist() == [0, 1, 2] and meta.seq_lens.tolist() == [18, 41]
     assert meta.slot_mapping.dtype == torch.int64 and meta.seq_lens.dtype == torch.int32
+
+
+class _DeviceToHost(TorchDispatchMode):
+    """Counts the ops that take a CUDA tensor and give a CPU one (device-to-host copies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "cuda" for t in ins) and any(t.device.type == "cpu" for t in outs):
+            self.copies += 1
+        return out
+
+
+def _sampled_seqs(vocab):
+    from backend_lib.sampling import SamplingLimits, SamplingParams
+
+    class Grammar:
+        active = True
+
+        def fill_mask(self, out):
+            out.fill_(0x5555)
+
+    class Seq:
+        def __init__(self, grammar=None, **kw):
+            self.params = SamplingParams(**kw).validate(SamplingLimits(), vocab)
+            self.prompt_ids, self.output_ids, self.min_tokens_blocked_ids = [5, 9, 5], [4, 4], [0]
+            self.generator = torch.Generator().manual_seed(3)
+            self.grammar = grammar
+    return [Seq(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5,
+                frequency_penalty=0.3, logprobs=2),
+            Seq(temperature=0, min_tokens=4, logprobs=0), Seq(grammar=Grammar(), temperature=1.1, seed=7)]
+
+
+def test_a_sampled_decode_step_makes_one_device_to_host_copy(a8w8_ckpt):
+    """decode_logits, then the device sampler's pass over non-greedy rows (top-k/p, min-p, penalties, min_tokens,
+    a grammar mask, logprobs) on fake CUDA tensors: no host sync, and exactly one device-to-host copy (the packed
+    ids and logprobs). The host sampler over the same fake logits reads them on the host: the control."""
+    from backend_lib.sampling import Sampler
+    from backend_lib.sampling.device_sampler import TOP, DeviceSampler, StepRows
+
+    runner, mode = _runner(a8w8_ckpt, TRITON, "bf16")
+    vocab = runner.model.cfg.vocab_size
+    seqs = _sampled_seqs(vocab)
+    host_rows, errors = DeviceSampler().rows(seqs, vocab)     # the host side: parameters, masks, the draws
+    assert host_rows.mask is not None and host_rows.seen.numel() and host_rows.blocked.numel()
+    rows = StepRows(**{k: (_fake_cuda(v, mode, set()) if isinstance(v, torch.Tensor) else v)
+                       for k, v in vars(host_rows).items()})
+    logits = _decode(runner, mode)
+    counter = _DeviceToHost()
+    with mode, counter, torch.no_grad():
+        packed = DeviceSampler.on_device(logits, rows)
+    assert counter.copies == 1 and packed.device.type == "cpu"
+    assert tuple(packed.shape) == (3, TOP + 2 * 2) and packed.dtype == torch.float64
+    host_reads = (DataDependentOutputException, DynamicOutputShapeException)
+    with mode, torch.no_grad(), pytest.raises(host_reads):   # copies B x vocab logits, reads them on the host
+        Sampler()(logits.cpu(), seqs)

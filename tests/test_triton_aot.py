@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="the triton package is not installed (pip i
 from helpers import ROOT  # noqa: E402
 
 LAUNCHED = {"a8w8_kernel", "float_linear_kernel", "rms_norm_kernel", "qk_norm_rope_kernel", "silu_mul_kernel",
-            "write_kv_kernel", "attention_kernel", "rotate_kernel", "tq_write_kernel"}
+            "write_kv_kernel", "attention_kernel", "combine_kernel", "rotate_kernel", "tq_write_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,8 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80_without_spills_or_exce
     assert all(r["registers"] <= 255 and r["spill_stores"] == 0 and r["shared"] <= r["shared_limit"]
                for r in results)
     labels = {r["label"] for r in results}
-    assert {"attention bf16 group=2", "attention tq group=4", "a8w8 M=1 even_k=True", "a8w8 M=65 even_k=True"} <= labels
+    assert {"attention bf16 group=2", "attention tq group=4", "a8w8 M=1 even_k=True", "a8w8 M=65 even_k=True",
+            "attention bf16 group=4 split programs", "attention tq group=4 split programs"} <= labels
 
 
 def test_the_int8_gemm_uses_int8_mma_and_wgmma_on_hopper(compiled):

@@ -10,9 +10,11 @@ from ..checkpoint import WeightStore
 from ..kv_cache import allocate_kv_cache
 from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
+from ..sampling.device_sampler import DeviceSampler
 from ..sampling.sampler import Sample, SampleError, Sampler
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
+from .warmup import CudaMemory, kv_budget_after_warmup, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +25,22 @@ class InjectedFault(RuntimeError):
 
 class ModelRunner:
     def __init__(self, cfg, model_config, scheme, device: torch.device, dtype: torch.dtype, kernels,
-                 max_model_len: int, fault_every: int | None = None):
+                 max_model_len: int, fault_every: int | None = None, memory=None):
         self.device, self.page_size = device, cfg.page_size
         self.model = Qwen3ForCausalLM.from_checkpoint(WeightStore(cfg.checkpoint), model_config, scheme, dtype,
                                                       device, kernels, max_model_len, cfg.lm_head_quant)
+        # CUDA: the widest prefill and decode run first, then the pool is sized from what is free (warmup.py)
+        memory = memory if memory is not None else (CudaMemory(device) if device.type == "cuda" else None)
+        nbytes = None
+        if memory is not None:
+            activation = warm_up(self, cfg, model_config, dtype, kernels, max_model_len, memory)
+            nbytes = kv_budget_after_warmup(cfg.kv_cache_memory, memory.free(), activation)
         self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels, cfg.kv_cache_memory,
-                                          cfg.page_size, max_model_len, cfg.max_num_seqs, seed=cfg.tq_seed)
+                                          cfg.page_size, max_model_len, cfg.max_num_seqs, nbytes=nbytes,
+                                          seed=cfg.tq_seed)
         self.sampler = Sampler()
+        # CUDA: the batched pass where the logits are (ids and logprobs travel, not B x vocab logits)
+        self.device_sampler = DeviceSampler(self.sampler) if device.type == "cuda" else None
         # decode replayed from CUDA graphs: the Triton set only (its KV writes skip the padding rows)
         self.graphs = None
         if cfg.cuda_graphs and device.type == "cuda" and kernels.name == "triton":
@@ -115,6 +126,8 @@ class ModelRunner:
             if not seqs:
                 return []
             logits = self.model.logits(hidden[rows])
+        if self.device_sampler is not None:
+            return list(zip(seqs, self.device_sampler(logits, seqs)))
         samples = self.sampler.greedy_on_device(logits, seqs) if logits.device.type != "cpu" else None
         if samples is None:
             samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)

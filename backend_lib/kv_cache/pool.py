@@ -48,11 +48,13 @@ def pool_token_capacity(kind: str, model_cfg, dtype: torch.dtype, device: torch.
 
 
 def allocate_kv_cache(kind: str, model_cfg, dtype: torch.dtype, device: torch.device, kernels, budget,
-                      page_size: int, max_model_len: int, max_num_seqs: int, **cache_kwargs):
+                      page_size: int, max_model_len: int, max_num_seqs: int, nbytes: int | None = None,
+                      **cache_kwargs):
+    """The pool: `nbytes` when given (sized after warm-up, engine/warmup.py), else the budget's bytes."""
     cls = cache_class(kind)
     per_token = cls.bytes_per_token(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, dtype)
     per_page = per_token * page_size
-    nbytes = budget_bytes(budget, device)
+    nbytes = budget_bytes(budget, device) if nbytes is None else nbytes
     floor = -(-max_model_len // page_size)
     useful = max_num_seqs * floor
     pages = min(nbytes // per_page, useful)

@@ -98,14 +98,22 @@ def variants() -> list[Variant]:
                 continue
             seen.add(("att", g, tq))
             kv = "*u8" if tq else bf
-            add(attention.attention_kernel,
-                {"q_ptr": "*fp32" if tq else bf, "o_ptr": "*fp32" if tq else bf, "k_ptr": kv, "v_ptr": kv,
-                 "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cent_ptr": "*fp32", "bt_ptr": "*i32", "qsl_ptr": "*i32",
-                 "lens_ptr": "*i32", "sm_scale": "fp32"},
-                {"G": g, "GP": triton.next_power_of_2(g), "HALF": d // 2, "PAGE": PAGE,
-                 "KW": key_block_width(PAGE) if tq else 1,   # TQ codes blocked; dense K row by row
-                 "TQ": tq, "OUT": 0 if tq else 1, "PD": 0 if tq else 1, "INTERP": False, "PREC": 0,
-                 **attention.tile(g, tq)}, attention.GPU_LAUNCH, f"attention {'tq' if tq else 'bf16'} group={g}")
+            for split in (False, True):     # a program walks its splits / one program per split (decode)
+                add(attention.attention_kernel,
+                    {"q_ptr": "*fp32" if tq else bf, "o_ptr": "*fp32" if tq else bf, "k_ptr": kv, "v_ptr": kv,
+                     "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cent_ptr": "*fp32", "bt_ptr": "*i32", "qsl_ptr": "*i32",
+                     "lens_ptr": "*i32", "ws_ptr": "*fp32", "sm_scale": "fp32"},
+                    {"G": g, "GP": triton.next_power_of_2(g), "HALF": d // 2, "PAGE": PAGE,
+                     "KW": key_block_width(PAGE) if tq else 1,   # TQ codes blocked; dense K row by row
+                     "TQ": tq, "OUT": 0 if tq else 1, "PD": 0 if tq else 1, "INTERP": False, "PREC": 0,
+                     "SPLIT": attention.SPLIT, "SPLIT_PROGRAMS": split, **attention.tile(g, tq)},
+                    attention.GPU_LAUNCH,
+                    f"attention {'tq' if tq else 'bf16'} group={g}{' split programs' if split else ''}")
+            if ("combine", d, tq) not in seen:
+                seen.add(("combine", d, tq))
+                add(attention.combine_kernel, {"ws_ptr": "*fp32", "o_ptr": "*fp32" if tq else bf, "lens_ptr": "*i32"},
+                    {"HALF": d // 2, "SPLIT": attention.SPLIT, "OUT": 0 if tq else 1}, {},
+                    f"attention combine {'tq' if tq else 'bf16'} d={d}")
     return out
 
 

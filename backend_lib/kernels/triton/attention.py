@@ -11,9 +11,14 @@ heads of one KV head (GQA: the K/V tile is read once for the group), and walks t
 fixed absolute positions from key 0 with one online softmax. Keys past a row's own position (causal) or past
 the tile's last row are exact no-ops (p = 0, rescale by exp(0) = 1), so a row's result depends only on its
 position and its context: the same bits in a whole prompt, a chunk, a decode step or any batch. The tile
-shapes never depend on the batch. Not done: flash-decoding's split of a long context over several programs
-(decode parallelism is sequences x KV heads); one must split at fixed absolute key positions, in prefill
-too, and merge in order, or rows stop being identical across prefill and decode.
+shapes never depend on the batch.
+
+Flash-decoding: keys are cut in splits of SPLIT at fixed absolute positions, each split its own online
+softmax, and the splits' partials are merged in order from split 0 (`_merge`), so a row's split count,
+ceil(keys / SPLIT), and its merge order depend on its position only. In prefill and chunks a program walks its
+tile's splits and merges them itself; a decode step whose tables reach past one split gives every split a
+program of its own (grid: tiles x KV heads x splits, the splits from the tables' width, a shape) and
+`combine_kernel` merges each row's partials with the same `_merge`: the same bits as the walk, in any batch.
 """
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ def tile(group: int, tq: bool) -> dict:
 
 
 GPU_LAUNCH = {} if INTERPRET else dict(num_warps=8, num_stages=2)   # 4 warps spill on sm_80
+# Keys per split (flash-decoding), a multiple of BLOCK_N: every row's keys are cut at the same absolute
+# positions in prefill, chunks and decode. Interpreter: two blocks, so that short test contexts cross splits.
+SPLIT = 32 if INTERPRET else 512
 
 
 @triton.jit
@@ -55,17 +63,33 @@ def _tile_of(pid, qsl_ptr, B, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, cent_ptr, bt_ptr, qsl_ptr, lens_ptr, B, sm_scale,
-                     stride_qt, stride_qh, stride_ot, stride_oh,
+def _merge(M, L, A, Bv, m, l, a, bv):
+    """Online-softmax state (max, sum, the two accumulator halves) merged with a split's partial, in that order.
+    Merging into the empty state (M = -inf, L = A = 0) gives the partial exactly; a partial with no visible key
+    (m = -inf) leaves the state exactly as it was. The same function in both kernels: the same bits."""
+    m_new = tl.maximum(M, m)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    x = tl.exp(M - m_use)
+    y = tl.exp(m - m_use)
+    return m_new, L * x + l * y, A * x[:, None] + a * y[:, None], Bv * x[:, None] + bv * y[:, None]
+
+
+@triton.jit
+def attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, cent_ptr, bt_ptr, qsl_ptr, lens_ptr, ws_ptr, B,
+                     sm_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                      stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vs,
-                     stride_sp, stride_sh, stride_bt,
+                     stride_sp, stride_sh, stride_bt, stride_wt, stride_wh, stride_ws,
                      G: tl.constexpr, GP: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, KW: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, TQ: tl.constexpr,
-                     OUT: tl.constexpr, PD: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+                     OUT: tl.constexpr, PD: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+                     SPLIT: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr):
     """Dense (TQ = False): K [P, KVH, S/KW, D, KW], V [P, KVH, S, D] in the model dtype.
     TQ: K codes [P, KVH, S/KW, D/2, KW], V codes [P, KVH, S, D/2] uint8 (nibble c | nibble c + D/2 << 4),
     scales [P, KVH, S] fp32, q already rotated (fp32), output in the rotated space (fp32).
-    Both halves of head_dim are kept apart (the TQ byte holds one dim of each), the same for dense."""
+    Both halves of head_dim are kept apart (the TQ byte holds one dim of each), the same for dense.
+    Keys are taken in splits of SPLIT at fixed absolute positions, each its own online softmax, merged in order
+    (_merge). SPLIT_PROGRAMS: program_id(2) is the split, and its partial goes to ws [T, H, NS, D + 2] (the two
+    halves, max, sum) for combine_kernel; otherwise a program walks its tile's splits itself."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b, t0 = _tile_of(pid, qsl_ptr, B, BLOCK_T)
@@ -90,11 +114,49 @@ def attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, cent_ptr, bt_pt
     last = tl.max(tl.where(row_ok, q_pos, -1), axis=0)
     hi = tl.where(n_q > t0, last + 1, 0)
 
-    m = tl.full((BLOCK_T * GP,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_T * GP,), tl.float32)
-    acc_a = tl.zeros((BLOCK_T * GP, HALF), tl.float32)
-    acc_b = tl.zeros((BLOCK_T * GP, HALF), tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
+    M = tl.full((BLOCK_T * GP,), float("-inf"), tl.float32)
+    L = tl.zeros((BLOCK_T * GP,), tl.float32)
+    A = tl.zeros((BLOCK_T * GP, HALF), tl.float32)
+    Bv = tl.zeros((BLOCK_T * GP, HALF), tl.float32)
+    if SPLIT_PROGRAMS:
+        s_first = tl.program_id(2) * SPLIT
+        s_stop = tl.minimum(s_first + SPLIT, hi)
+    else:
+        s_first = 0
+        s_stop = hi
+    for s0 in range(s_first, s_stop, SPLIT):
+        m, l, acc_a, acc_b = _split(
+            s0, tl.minimum(s0 + SPLIT, hi), qa, qb, q_pos, row_ok, c, bb, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            cent_ptr, bt_ptr, sm_scale, stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vs,
+            stride_sp, stride_sh, stride_bt, HALF, PAGE, KW, BLOCK_T * GP, BLOCK_N, TQ, PD, INTERP, PREC)
+        M, L, A, Bv = _merge(M, L, A, Bv, m, l, acc_a, acc_b)
+    if SPLIT_PROGRAMS:
+        w = (q_lo + t) * stride_wt + head * stride_wh + tl.program_id(2) * stride_ws
+        mine = row_ok & (q_pos >= s_first)            # a row writes only the splits it reads
+        tl.store(ws_ptr + w[:, None] + c[None, :], A, mask=mine[:, None])
+        tl.store(ws_ptr + w[:, None] + HALF + c[None, :], Bv, mask=mine[:, None])
+        tl.store(ws_ptr + w + 2 * HALF, M, mask=mine)
+        tl.store(ws_ptr + w + 2 * HALF + 1, L, mask=mine)
+    else:
+        inv = 1.0 / tl.where(L > 0, L, 1.0)
+        o_rows = o_ptr + (q_lo + t)[:, None] * stride_ot + head[:, None] * stride_oh + c[None, :]
+        tl.store(o_rows, round_out(A * inv[:, None], OUT), mask=row_ok[:, None])
+        tl.store(o_rows + HALF, round_out(Bv * inv[:, None], OUT), mask=row_ok[:, None])
+
+
+@triton.jit
+def _split(n_first, n_stop, qa, qb, q_pos, row_ok, c, bb, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, cent_ptr, bt_ptr,
+           sm_scale, stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vs, stride_sp, stride_sh,
+           stride_bt, HALF: tl.constexpr, PAGE: tl.constexpr, KW: tl.constexpr, R: tl.constexpr,
+           BLOCK_N: tl.constexpr, TQ: tl.constexpr, PD: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+    """One split's online softmax over keys [n_first, n_stop) in BLOCK_N blocks at fixed absolute positions:
+    (max, sum, the two accumulator halves) of R query rows."""
+    hi = n_stop
+    m = tl.full((R,), float("-inf"), tl.float32)
+    l = tl.zeros((R,), tl.float32)
+    acc_a = tl.zeros((R, HALF), tl.float32)
+    acc_b = tl.zeros((R, HALF), tl.float32)
+    for n0 in range(n_first, n_stop, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         j_ok = j < hi
         page = tl.load(bt_ptr + bb * stride_bt + j // PAGE, mask=j_ok, other=0).to(tl.int64)
@@ -139,11 +201,31 @@ def attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, cent_ptr, bt_pt
                 acc_a += fdot(p_lo, va, INTERP, PREC)
                 acc_b += fdot(p_lo, vb, INTERP, PREC)
         m = m_new
-    l_tot = l
-    inv = 1.0 / tl.where(l_tot > 0, l_tot, 1.0)
-    o_rows = o_ptr + (q_lo + t)[:, None] * stride_ot + head[:, None] * stride_oh + c[None, :]
-    tl.store(o_rows, round_out(acc_a * inv[:, None], OUT), mask=row_ok[:, None])
-    tl.store(o_rows + HALF, round_out(acc_b * inv[:, None], OUT), mask=row_ok[:, None])
+    return m, l, acc_a, acc_b
+
+
+@triton.jit
+def combine_kernel(ws_ptr, o_ptr, lens_ptr, stride_wt, stride_wh, stride_ws, stride_ot, stride_oh,
+                   HALF: tl.constexpr, SPLIT: tl.constexpr, OUT: tl.constexpr):
+    """A decode row's (token t = sequence t) output from its splits' partials, merged in order from split 0:
+    the row's split count, ceil(keys / SPLIT), depends on its own length only."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    n_split = (tl.load(lens_ptr + t) + SPLIT - 1) // SPLIT
+    c = tl.arange(0, HALF)
+    one = tl.zeros((1,), tl.int32)
+    M = tl.full((1,), float("-inf"), tl.float32)
+    L = tl.zeros((1,), tl.float32)
+    A = tl.zeros((1, HALF), tl.float32)
+    Bv = tl.zeros((1, HALF), tl.float32)
+    for s in range(0, n_split):
+        w = ws_ptr + t * stride_wt + h * stride_wh + s * stride_ws
+        M, L, A, Bv = _merge(M, L, A, Bv, tl.load(w + 2 * HALF + one), tl.load(w + 2 * HALF + 1 + one),
+                             tl.load(w + c[None, :]), tl.load(w + HALF + c[None, :]))
+    inv = 1.0 / tl.where(L > 0, L, 1.0)
+    o = o_ptr + t * stride_ot + h * stride_oh + c[None, :]
+    tl.store(o, round_out(A * inv[:, None], OUT))
+    tl.store(o + HALF, round_out(Bv * inv[:, None], OUT))
 
 
 def _launch(q, out, k, v, ks, vs, cent, block_tables, query_start_loc, seq_lens, scale, tq: bool):
@@ -159,15 +241,23 @@ def _launch(q, out, k, v, ks, vs, cent, block_tables, query_start_loc, seq_lens,
     # an upper bound of the tiles, from shapes only: sum_b ceil(n_b / BLOCK_T) <= ceil(T / BLOCK_T) + B
     grid = (triton.cdiv(t, cfg["BLOCK_T"]) + b, kvh)
     dummy = seq_lens
-    attention_kernel[grid](
+    # decode (one query per sequence) whose tables reach past one split: the splits go to programs of their own
+    n_split = triton.cdiv(block_tables.shape[1] * page, SPLIT)
+    programs = t == b and n_split > 1
+    ws = torch.empty((t, h, n_split, d + 2), dtype=torch.float32, device=q.device) if programs else None
+    attention_kernel[grid + ((n_split,) if programs else ())](
         q, out, k, v, ks if tq else dummy, vs if tq else dummy, cent if tq else dummy, block_tables,
-        query_start_loc, seq_lens, b, float(scale),
+        query_start_loc, seq_lens, ws if programs else dummy, b, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         ks.stride(0) if tq else 0, ks.stride(1) if tq else 0, block_tables.stride(0),
+        *(ws.stride()[:3] if programs else (0, 0, 0)),
         G=g, GP=triton.next_power_of_2(g), HALF=d // 2, PAGE=page, KW=kw, TQ=tq, OUT=out_code(out.dtype),
-        PD=out_code(v.dtype) if not tq else 0, INTERP=INTERPRET, PREC=int(q.dtype == torch.float32), **cfg,
-        **GPU_LAUNCH)
+        PD=out_code(v.dtype) if not tq else 0, INTERP=INTERPRET, PREC=int(q.dtype == torch.float32), SPLIT=SPLIT,
+        SPLIT_PROGRAMS=programs, **cfg, **GPU_LAUNCH)
+    if programs:
+        combine_kernel[(t, h)](ws, out, seq_lens, *ws.stride()[:3], out.stride(0), out.stride(1), HALF=d // 2,
+                               SPLIT=SPLIT, OUT=out_code(out.dtype))
     return out
 
 
