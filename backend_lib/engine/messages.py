@@ -19,6 +19,7 @@ class Request:
     params: SamplingParams
     max_tokens: int            # resolved: explicit or default, capped by max_model_len
     grammar: GrammarState | None = None   # structured output: compiled at validation, owned by the engine after
+    lora: object | None = None            # its LoRA adapter (backend_lib.lora.LoraAdapter), resolved at validation
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,12 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels, cfg.kv_cache_memory,
                                           cfg.page_size, max_model_len, cfg.max_num_seqs, seed=cfg.tq_seed)
         self.sampler = Sampler()
+        self.lora_ctx = None
+        if cfg.lora_enabled:   # LoRA: the fused linears wrapped (backend_lib/lora/layer.py)
+            from ..lora.layer import LoraContext, attach
+
+            self.lora_ctx = LoraContext()
+            attach(self.model, self.lora_ctx, kernels)
         self.fault_every = fault_every
         self.steps = 0
 
@@ -71,12 +77,21 @@ class ModelRunner:
         if self.fault_every and self.steps % self.fault_every == 0:
             raise InjectedFault(f"injected fault at step {self.steps} (fault_injection every:{self.fault_every})")
         input_ids, positions, meta, rows, seqs = self.prepare(plan)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.forward(plan, input_ids, positions, meta)
         if not seqs:
             return []
         logits = self.model.logits(hidden[rows])
         samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
         return list(zip(seqs, samples))
+
+    def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta) -> torch.Tensor:
+        """The model over a prepared step; with LoRA on, each row with its sequence's adapter."""
+        if self.lora_ctx is None:
+            return self.model(input_ids, positions, self.kv_cache, meta)
+        from ..lora.layer import LoraBatch
+
+        with self.lora_ctx.use(LoraBatch.of([seq.lora for seq, n in plan for _ in range(n)], self.device)):
+            return self.model(input_ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()
     def prompt_logprobs(self, seq: Sequence, chunk: int) -> tuple[list[float | None], list[int]]:
@@ -87,7 +102,7 @@ class ModelRunner:
         while seq.num_pending > 0:
             n = min(chunk, seq.num_pending)
             input_ids, positions, meta, _, _ = self.prepare([(seq, n)])
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            hidden = self.forward([(seq, n)], input_ids, positions, meta)
             logp = torch.log_softmax(self.model.logits(hidden).float(), dim=-1).cpu()
             start = seq.num_computed
             nxt = seq.tokens[start + 1:start + n + 1]
