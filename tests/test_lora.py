@@ -174,8 +174,16 @@ def test_runtime_register_unregister_and_lora_path(bf16_ckpt, adapters):
         eng.make_request("a", ids, greedy(eng, 8, lora_name="all"))
     via_path = eng.generate([ids], greedy(eng, 8, lora_name="x", lora_path=modules(adapters)["all"]))[0]["output_ids"]
     assert via_path == via_register
-    with pytest.raises(RequestError, match="lora_path: LoRA adapter 'x' is already loaded from"):
-        eng.make_request("b", ids, greedy(eng, 8, lora_name="x", lora_path=modules(adapters)["mlp"]))
+    # a run-time name follows its latest path (the OpenAI front's unload + load under the same name)
+    mlp = make_engine(bf16_ckpt, lora_modules={"mlp": modules(adapters)["mlp"]}, allow_runtime_lora=True)
+    assert eng.generate([ids], greedy(eng, 8, lora_name="x", lora_path=modules(adapters)["mlp"]))[0]["output_ids"] \
+        == mlp.generate([ids], greedy(mlp, 8, lora_name="mlp"))[0]["output_ids"]
+    with pytest.raises(RequestError, match="lora_path: LoRA adapter 'mlp' is configured from"):
+        mlp.lora.get("mlp", modules(adapters)["all"])
+    with pytest.raises(RequestError, match="lora_name: LoRA adapter 'mlp' is configured .* cannot be unloaded"):
+        mlp.lora.unregister("mlp")
+    with pytest.raises(RequestError, match="lora_path: loading adapters at run time is off"):
+        make_engine(bf16_ckpt, enable_lora=True).lora.register("other", modules(adapters)["all"])
 
 
 def test_an_adapter_by_hub_id_from_the_offline_cache(tmp_path, monkeypatch, bf16_ckpt, adapters, fp32_engine):

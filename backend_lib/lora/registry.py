@@ -96,6 +96,7 @@ class LoraRegistry:
         self.kernels, self.device = kernels, device
         self.allow_runtime, self.base_dir = allow_runtime, base_dir
         self._known: dict[str, str] = dict(modules)
+        self._configured = frozenset(modules)      # names from the configuration: never replaced or removed
         self._resident: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self.loads = 0
@@ -153,8 +154,12 @@ class LoraRegistry:
             raise RequestError(str(exc)) from None
         current = self._known.get(name)
         if current is not None and os.path.realpath(current) != os.path.realpath(local):
-            raise RequestError(f"{where}: LoRA adapter {name!r} is already loaded from {current}; unload it first "
-                               "or use another lora_name")
+            if name in self._configured:
+                raise RequestError(f"{where}: LoRA adapter {name!r} is configured from {current}; use another "
+                                   "lora_name")
+            # a name registered at run time follows its latest path (the OpenAI front's unload + load); requests
+            # in flight keep the adapter they started with, and pages are keyed by content, never shared
+            self._resident.pop(name, None)
         self._known[name] = local
 
     def register(self, name, path) -> LoraAdapter:
@@ -175,5 +180,8 @@ class LoraRegistry:
         with self._lock:
             if name not in self._known:
                 raise RequestError(f"lora_name: unknown LoRA adapter {name!r}")
+            if name in self._configured:
+                raise RequestError(f"lora_name: LoRA adapter {name!r} is configured (lora_modules / "
+                                   "multi_lora.json); it cannot be unloaded at run time")
             self._known.pop(name)
             self._resident.pop(name, None)
