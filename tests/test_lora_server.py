@@ -4,6 +4,7 @@ the openai SDK. Every result is compared by ids / text with the offline engine r
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -120,3 +121,25 @@ def test_openai_front_adapters_as_models_loaded_and_unloaded_at_run_time(front, 
     assert requests.post(f"{front.url}/v1/unload_lora_adapter", json={"lora_name": "c"}).status_code == 404
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="c", prompt=PROMPT, max_tokens=2)
+
+
+def test_lora_requests_info_names_the_running_adapters(server):
+    def current():
+        """The series with the latest value (vLLM's gauge: the value is when its labels were last true)."""
+        fam = server.metric_families().get("vllm:lora_requests_info")
+        samples = [s for s in fam.samples if s.labels.get("model") == "qwen3_lora"] if fam else []
+        return max(samples, key=lambda s: s.value).labels if samples else None
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(collect, server.grpc_url, "qwen3_lora", prompt=PROMPT,
+                              sampling_parameters={**GREEDY, "max_tokens": 400, "lora_name": "a"})
+        seen = None
+        for _ in range(200):
+            seen = current()
+            if seen and seen["running_lora_adapters"] == "a" or running.done():
+                break
+            time.sleep(0.02)
+        assert _ids(running.result())
+    assert seen["running_lora_adapters"] == "a" and seen["waiting_lora_adapters"] == "" and seen["max_lora"] == "2"
+    time.sleep(0.3)
+    assert (current()["running_lora_adapters"], current()["waiting_lora_adapters"]) == ("", "")

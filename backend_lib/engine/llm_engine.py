@@ -216,7 +216,13 @@ class LLMEngine:
         self.stats = replace(s, running=len(sched.running), waiting=len(sched.waiting), pages_used=bm.num_used,
                              pages_cached=bm.num_cached, num_preemptions=sched.num_preemptions,
                              prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits,
-                             **{k: getattr(s, k) + v for k, v in increments.items()})
+                             **self._lora_stats(), **{k: getattr(s, k) + v for k, v in increments.items()})
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        names = lambda seqs: tuple(sorted({q.lora.name for q in seqs if q.lora is not None}))  # noqa: E731
+        return {"lora_running": names(self.scheduler.running), "lora_waiting": names(self.scheduler.waiting)}
 
     # ----- offline helpers -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:

@@ -54,3 +54,5 @@ class EngineStats:
     num_failed_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    lora_running: tuple[str, ...] = ()   # LoRA adapters of the running requests (sorted names), when LoRA is on
+    lora_waiting: tuple[str, ...] = ()   # and of the waiting ones

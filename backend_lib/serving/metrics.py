@@ -18,6 +18,7 @@ response, and per-token serving pays no call into the server.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from .log import get_logger
@@ -91,7 +92,8 @@ class MetricsBuffer:
 
 
 class EngineMetrics:
-    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int):
+    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int, max_loras: int | None = None):
+        """max_loras: LoRA on (vllm:lora_requests_info is published); None: off."""
         M = pb_utils.MetricFamily
         self._families = []  # a MetricFamily must outlive its Metric objects
 
@@ -136,6 +138,12 @@ class EngineMetrics:
                                       M.HISTOGRAM).Metric(labels=labels, buckets=token_buckets)
         self.request_n = fam("vllm:request_params_n", "Histogram of the n request parameter.",
                              M.HISTOGRAM).Metric(labels=labels, buckets=N_BUCKETS)
+        # vLLM's LoRA gauge: its labels name the adapters of the running and waiting requests, its value the time
+        # they were last seen so (as vLLM's, the series with the latest value is the current state)
+        self._max_loras = max_loras
+        self._lora_info = None if max_loras is None else fam(
+            "vllm:lora_requests_info", "Running stats on lora requests.", M.GAUGE)
+        self._lora_series: dict[tuple, object] = {}
 
     def _finished(self, req: FinishedRequest) -> None:
         metric = self._by_reason.get(req.reason)
@@ -173,6 +181,14 @@ class EngineMetrics:
         if stats.prefix_cache_hits > self._published_hits:
             self.prefix_hits.increment(stats.prefix_cache_hits - self._published_hits)
             self._published_hits = stats.prefix_cache_hits
+        if self._lora_info is not None:
+            key = (stats.lora_running, stats.lora_waiting)
+            series = self._lora_series.get(key)
+            if series is None:
+                series = self._lora_series[key] = self._lora_info.Metric(labels={
+                    **self._labels, "max_lora": str(self._max_loras), "running_lora_adapters": ",".join(key[0]),
+                    "waiting_lora_adapters": ",".join(key[1])})
+            series.set(time.time())
 
 
 class MetricsPublisher:
