@@ -300,3 +300,13 @@ def test_engine_parameters(bf16_ckpt, tmp_path):
         EngineConfig.from_params({"checkpoint": str(bf16_ckpt), "lora_modules": "a"})
     with pytest.raises(ValueError, match=r"enable_lora: 'maybe' is not a boolean"):
         EngineConfig.from_params({"checkpoint": str(bf16_ckpt), "enable_lora": "maybe"})
+
+
+def test_the_lora_bench_runs_and_reports_both_rates(capsys):
+    from bench.lora import main
+
+    assert main(["--size", "tiny", "--batch", "4", "--adapters", "2", "--rank", "8", "--tokens", "2",
+                 "--prompt-len", "16"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["decode_tokens_per_s_base"] > 0 and out["decode_tokens_per_s_lora"] > 0
+    assert out["ttft_cold_adapter_s"] > 0 and out["adapters"] == 2
