@@ -3,7 +3,8 @@
 and `/v1/models` lists it with its `parent` (the Triton LLM model it runs on) and `root` (its path).
 
 A request for an adapter goes to its parent with `lora_name` and `lora_path` in sampling_parameters: the Triton
-model loads the adapter on first use (its `allow_runtime_lora` parameter must be true), keeps at most
+model loads the adapter on first use (its `allow_runtime_lora` parameter must be true; an adapter given without
+a path is one the Triton model already serves by name, and only `lora_name` is sent), keeps at most
 `max_loras` resident and evicts the least recently used (docs/lora.md). A load is checked at once: the front
 sends the parent a one-token request with the adapter, so a malformed adapter is a 400 naming the field at load,
 not at the first real request.
@@ -27,11 +28,12 @@ def parse_lora_modules_arg(values: list[str] | None) -> dict[str, tuple[str, str
             from backend_lib.json_input import loads
 
             entry = loads(value, "--lora-modules")
-            if not isinstance(entry, dict) or set(entry) - LOAD_FIELDS - {"name", "path"} or not isinstance(
-                    entry.get("name"), str) or not isinstance(entry.get("path"), str):
+            if not isinstance(entry, dict) or set(entry) - {"name", "path", "base_model_name"} or not isinstance(
+                    entry.get("name"), str) or not isinstance(entry.get("path", ""), str):
                 raise ValueError(f"--lora-modules: {value!r} is not {{\"name\": ..., \"path\": ..., "
                                  "\"base_model_name\": ...}")
-            name, path, parent = entry["name"], entry["path"], entry.get("base_model_name")
+            # without a path: an adapter its Triton model already serves (lora_modules / multi_lora.json)
+            name, path, parent = entry["name"], entry.get("path") or None, entry.get("base_model_name")
         else:
             name, sep, path = value.partition("=")
             if not sep or not name or not path:
@@ -48,9 +50,11 @@ def parse_lora_modules_arg(values: list[str] | None) -> dict[str, tuple[str, str
 
 
 class LoraAdapters:
-    """name -> (path, parent model); parent None: the default (--lora-base-model, else the first LLM model)."""
+    """name -> (path, parent model); parent None: the default (--lora-base-model, else the first LLM model); path
+    None: an adapter the parent serves by name (only lora_name is sent, so it needs no allow_runtime_lora)."""
 
-    def __init__(self, modules: dict[str, tuple[str, str | None]] | None = None, default_parent: str | None = None):
+    def __init__(self, modules: dict[str, tuple[str | None, str | None]] | None = None,
+                 default_parent: str | None = None):
         self._adapters = dict(modules or {})
         self.default_parent = default_parent
 
@@ -73,7 +77,9 @@ class LoraAdapters:
         if entry is None:
             return
         path, parent = entry
-        gen.sampling["lora_name"], gen.sampling["lora_path"] = gen.model, path
+        gen.sampling["lora_name"] = gen.model
+        if path is not None:   # else the parent serves it by name (its lora_modules / multi_lora.json)
+            gen.sampling["lora_path"] = path
         gen.model = await self._parent(gateway, parent)
 
     async def cards(self, gateway) -> list[dict]:

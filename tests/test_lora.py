@@ -4,6 +4,7 @@ and requests refused naming the file and field."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -310,3 +311,14 @@ def test_the_lora_bench_runs_and_reports_both_rates(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["decode_tokens_per_s_base"] > 0 and out["decode_tokens_per_s_lora"] > 0
     assert out["ttft_cold_adapter_s"] > 0 and out["adapters"] == 2
+
+
+def test_the_openai_fronts_lora_modules_argument():
+    from openai_frontend.lora import parse_lora_modules_arg
+
+    assert parse_lora_modules_arg(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}',
+                                   '{"name": "c"}']) == {"a": ("/x", None), "b": ("/y", "m"), "c": (None, None)}
+    for bad, message in ((["a"], "'a' is not name=path"), (["a=/x", "a=/y"], "'a' is named twice"),
+                         (['{"name": "a", "rank": 3}'], "is not {"), ([" a=/x"], "without surrounding spaces")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_lora_modules_arg(bad)

@@ -83,7 +83,8 @@ def test_bad_lora_requests_fail_alone_naming_the_field(server, tmp_path):
 @pytest.fixture(scope="module")
 def front(server, loras, tmp_path_factory, a8w8_ckpt):
     f = Front(server.grpc_url, tmp_path_factory.mktemp("lora_front") / "front.log", "--lora-modules",
-              f"b={loras['b']}", "--lora-base-model", "qwen3_lora", "--tokenizer", str(a8w8_ckpt))
+              f"b={loras['b']}", '{"name": "a", "base_model_name": "qwen3_lora"}', "--lora-base-model", "qwen3_lora",
+              "--tokenizer", str(a8w8_ckpt))
     yield f
     f.stop()
 
@@ -96,6 +97,11 @@ def test_openai_front_adapters_as_models_loaded_and_unloaded_at_run_time(front, 
                                      extra_body={"ignore_eos": True})
     assert done.model == "b" and done.choices[0].text == offline("b")["text"]
     assert done.choices[0].text != offline()["text"]
+    # "a" has no path: the Triton model serves it by name (multi_lora.json)
+    assert cards["a"].parent == "qwen3_lora" and cards["a"].root is None
+    assert client.models.retrieve("a").parent == "qwen3_lora"
+    assert client.completions.create(model="a", prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text == offline("a")["text"]
 
     r = requests.post(f"{front.url}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(loras["c"])})
     assert r.status_code == 200 and "c" in r.text
