@@ -322,3 +322,27 @@ def test_the_openai_fronts_lora_modules_argument():
                          (['{"name": "a", "rank": 3}'], "is not {"), ([" a=/x"], "without surrounding spaces")):
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_lora_modules_arg(bad)
+
+
+@pytest.mark.parametrize("fused", ["qkv", "o", "gate_up", "down"])
+def test_each_rows_update_is_bit_identical_whatever_shares_its_batch(fp32_engine, fused):
+    """The per-row update itself (not only the ids): a row alone, and the same row in a batch of three adapters and
+    base rows, give the same bits; base rows are the base linear's output bit for bit."""
+    from backend_lib.lora.layer import LoraBatch
+
+    layer = fp32_engine.runner.model.layers[1]
+    lin = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+           "down": layer.mlp.down_proj}[fused]
+    reg, ctx = fp32_engine.lora, fp32_engine.runner.lora_ctx
+    rows = [reg.get("all"), None, reg.get("qv_rs"), reg.get("mlp"), reg.get("all"), None, reg.get("qv_rs")] * 3
+    x = torch.randn(len(rows), lin.base.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        with ctx.use(LoraBatch.of(rows, "cpu")):
+            together = lin(x)
+        base = lin.base(x)
+        for i, a in enumerate(rows):
+            with ctx.use(LoraBatch.of([a], "cpu")):
+                alone = lin(x[i:i + 1])
+            assert torch.equal(alone[0], together[i]), i
+            touched = a is not None and a.delta(1, fused) is not None
+            assert torch.equal(together[i], base[i]) != touched, i
