@@ -68,6 +68,16 @@ def test_greedy_and_logprobs_equal_transformers_with_peft(fp32_engine, adapters,
     torch.testing.assert_close(torch.tensor(eng.score(ids, lora_name=name)[1:]), ref, rtol=0, atol=1e-4)
 
 
+def test_an_adapter_of_some_layers_equals_peft(tmp_path, bf16_ckpt):
+    path, peft_model = make_peft_adapter(bf16_ckpt, tmp_path / "l1", r=8, seed=7, std=0.3, layers_to_transform=[1])
+    assert json.loads((path / "adapter_config.json").read_text())["layers_to_transform"] == [1]
+    eng = make_engine(bf16_ckpt, lora_modules={"l1": str(path)})
+    ids = eng.tokenizer.encode(PROMPTS[3])
+    ours = eng.generate([ids], greedy(eng, lora_name="l1"))[0]["output_ids"]
+    assert ours == hf_greedy(peft_model, ids, 16)
+    assert ours != eng.generate([ids], greedy(eng))[0]["output_ids"]
+
+
 def test_a8w8_base_equals_the_emulated_reference_with_peft(tmp_path, a8w8_ckpt, bf16_ckpt):
     """The adapter on the A8W8 base: transformers with the int8 weights dequantized exactly and the per-token int8
     activation quantization emulated on every base linear (as tests/test_a8w8_model.py), the adapter through peft
@@ -258,6 +268,8 @@ HOSTILE = {
                 r"adapter_model.safetensors: tensor 'base_model.model.lm_head.lora_A.weight' is not a LoRA A/B"),
     "missing B": (dict(tensors=lambda t: {k: v for k, v in t.items() if k != KEY.replace("lora_A", "lora_B")}),
                   r"adapter_model.safetensors: layer 0 q_proj has lora_A but no lora_B"),
+    "layers_to_transform": (dict(config={"layers_to_transform": [1]}),
+                            r"tensor '.*layers.0.*' adapts layer 0, which layers_to_transform does not list"),
     "NaN": (dict(tensors=lambda t: {**t, KEY: torch.full((8, 64), float("nan"))}), r"holds NaN"),
 }
 

@@ -45,7 +45,7 @@ NEUTRAL = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_patte
            "layer_replication": "layer replication", "target_parameters": "target_parameters",
            "trainable_token_indices": "trainable tokens", "use_qalora": "QA-LoRA",
            "alora_invocation_tokens": "aLoRA", "megatron_config": "Megatron", "loftq_config": None,
-           "eva_config": None, "corda_config": None, "runtime_config": None, "layers_to_transform": None}
+           "eva_config": None, "corda_config": None, "runtime_config": None}
 
 
 class LoraError(CheckpointError):
@@ -72,8 +72,8 @@ class BaseShape:
 @dataclass
 class FusedDelta:
     """The update of one fused linear: delta(x) = ((x A^T) B^T) * scaling; A [R, in], B [out, R] fp32."""
-    a: torch.Tensor
-    b: torch.Tensor
+    a: torch.Tensor | None            # until prepare()
+    b: torch.Tensor | None
     a_prepared: object = None
     b_prepared: object = None
 
@@ -94,8 +94,9 @@ class LoraAdapter:
     def prepare(self, kernels, device) -> "LoraAdapter":
         """A and B in the kernel set's form on the engine's device (batch invariant like the base)."""
         for d in self.deltas.values():
-            d.a, d.b = d.a.to(device), d.b.to(device)
-            d.a_prepared, d.b_prepared = kernels.float_prepare(d.a), kernels.float_prepare(d.b)
+            d.a_prepared = kernels.float_prepare(d.a.to(device))
+            d.b_prepared = kernels.float_prepare(d.b.to(device))
+            d.a = d.b = None          # only the kernel set's form is kept
         return self
 
 
@@ -103,11 +104,12 @@ def _set(value) -> bool:
     return value not in (None, False, "", [], {}, "none")
 
 
-def parse_config(cfg: dict, where: str, max_rank: int) -> tuple[int, float, set[str] | None]:
-    """(rank, scaling, target projections or None for 'whatever the tensors hold'), or LoraError."""
+def parse_config(cfg: dict, where: str, max_rank: int) -> tuple[int, float, set[str] | None, set[int] | None]:
+    """(rank, scaling, target projections and layers, each None for 'whatever the tensors hold'), or LoraError."""
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{where}: peft_type {cfg.get('peft_type')!r} is not supported (only 'LORA')")
-    known = INFORMATIONAL | set(NEUTRAL) | {"peft_type", "r", "lora_alpha", "use_rslora", "target_modules", "bias"}
+    known = INFORMATIONAL | set(NEUTRAL) | {"peft_type", "r", "lora_alpha", "use_rslora", "target_modules", "bias",
+                                            "layers_to_transform"}
     for key, value in cfg.items():
         if key not in known and _set(value):
             raise LoraError(f"{where}: field {key!r} ({value!r}) is not supported")
@@ -128,10 +130,16 @@ def parse_config(cfg: dict, where: str, max_rank: int) -> tuple[int, float, set[
     if not isinstance(rslora, bool):
         raise LoraError(f"{where}: use_rslora must be a boolean, got {rslora!r}")
     scaling = alpha / math.sqrt(r) if rslora else alpha / r
+    layers = cfg.get("layers_to_transform")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    if layers is not None and (not isinstance(layers, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+        raise LoraError(f"{where}: layers_to_transform must be a list of layer indices, got {layers!r}")
     targets = cfg.get("target_modules")
     if targets is None or isinstance(targets, str):
         # a regex (or "all-linear"): the tensors say which modules are adapted; each is checked below
-        return r, scaling, None
+        return r, scaling, None, None if layers is None else set(layers)
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise LoraError(f"{where}: target_modules must be a list of module names or a string, got {targets!r}")
     names = {t.rsplit(".", 1)[-1] for t in targets}
@@ -139,7 +147,7 @@ def parse_config(cfg: dict, where: str, max_rank: int) -> tuple[int, float, set[
         if t not in PROJECTIONS:
             raise LoraError(f"{where}: target_modules names {t!r}, which the Qwen3 base does not have as a LoRA "
                             f"target (it has {', '.join(PROJECTIONS)})")
-    return r, scaling, names
+    return r, scaling, names, None if layers is None else set(layers)
 
 
 def _read_config(folder: Path) -> tuple[dict, bytes]:
@@ -168,7 +176,7 @@ def load_adapter(name: str, folder: str | Path, base: BaseShape, max_rank: int) 
         raise LoraError(f"adapter {name!r}: {folder} is not a folder")
     cfg, raw_cfg = _read_config(folder)
     where = f"adapter {name!r}: {folder / CONFIG_FILE}"
-    rank, scaling, targets = parse_config(cfg, where, max_rank)
+    rank, scaling, targets, layers = parse_config(cfg, where, max_rank)
     wpath = folder / WEIGHTS_FILE
     if not wpath.is_file():
         bins = [p.name for p in folder.glob("*.bin")]
@@ -195,6 +203,8 @@ def load_adapter(name: str, folder: str | Path, base: BaseShape, max_rank: int) 
             raise LoraError(f"{wwhere}: tensor {key!r} adapts layer {layer}; the base has {base.num_layers} layers")
         if targets is not None and proj not in targets:
             raise LoraError(f"{wwhere}: tensor {key!r} adapts {proj}, which target_modules does not list")
+        if layers is not None and layer not in layers:
+            raise LoraError(f"{wwhere}: tensor {key!r} adapts layer {layer}, which layers_to_transform does not list")
         try:
             t = f.get_tensor(key)
         except Exception as exc:
