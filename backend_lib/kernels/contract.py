@@ -31,6 +31,11 @@ class Kernels:
     silu_mul: Callable          # ([T, 2F] gate | up) -> [T, F] silu(gate) * up
     a8w8_prepare: Callable      # (w_q int8 [N, K], w_scale fp32 [N]) -> the weight in this kernel set's form
     a8w8_linear: Callable       # (x, prepared) -> y in x.dtype (per-token int8 activations, int32 accumulation)
+    w4a16_prepare: Callable     # (codes uint8 [N, K] in 0..15, scales fp32 [N, G], zeros fp32 [N, G], perm int64 [K]
+                                #  or None) -> the weight in this kernel set's form (int4 weight-only; G groups of
+                                #  K / G contiguous columns of the perm-ordered weight, checkpoint/int4.py)
+    w4a16_linear: Callable      # (x, prepared) -> y = x[:, perm] ((codes - zeros) * scales)^T in x.dtype, the weight
+                                #  dequantized in fp32 exactly as written, fp32 accumulation
     float_prepare: Callable     # w [N, K] -> the weight in this kernel set's form
     float_linear: Callable      # (x, prepared, out_dtype=None) -> y (fp32 accumulation; out_dtype default x.dtype)
     float_rows: Callable        # (prepared, ids) -> rows of w (a tied embedding reads the lm_head's weight)

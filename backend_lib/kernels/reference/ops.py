@@ -25,11 +25,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def rotary_cos_sin(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
-    """[max_positions, head_dim] fp32 table: cos of the half frequencies, then sin (rotate-half RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float().to(device) / head_dim))
-    t = torch.arange(max_positions, dtype=torch.int64, device=device).float()
-    freqs = torch.outer(t, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    """[max_positions, head_dim] fp32 table of unscaled RoPE: cos of the half frequencies, then sin (rotate-half
+    RoPE). The table of every rope type is built by backend_lib.checkpoint.rope.RopeConfig.cos_sin."""
+    from ...checkpoint.rope import RopeConfig
+
+    return RopeConfig(theta=theta).cos_sin(head_dim, max_positions, device)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
