@@ -116,10 +116,12 @@ def test_a8w8_base_equals_the_emulated_reference_with_peft(tmp_path, a8w8_ckpt, 
     assert changed, "the adapter must change the output"
 
 
-@pytest.mark.parametrize("which", ["bf16", "a8w8"])
-def test_a_batch_of_three_adapters_and_base_rows_equals_each_alone(which, bf16_ckpt, a8w8_ckpt, adapters):
-    eng = make_engine(bf16_ckpt if which == "bf16" else a8w8_ckpt, dtype="bfloat16", lora_modules=modules(adapters),
-                      enable_prefix_caching=False)
+@pytest.mark.parametrize("which", ["bf16", "a8w8", "gptq-descact-own-perms"])
+def test_a_batch_of_three_adapters_and_base_rows_equals_each_alone(which, ckpts, bf16_ckpt, a8w8_ckpt, adapters):
+    """On each base kind (W4A16 too: a GPTQ checkpoint whose q/k/v keep their own permutations, not fused)."""
+    base = {"bf16": bf16_ckpt, "a8w8": a8w8_ckpt}.get(which) or ckpts.get(
+        "tiny-gptq-g32-descact-own-perms", "gptq", group_size=32, desc_act=True, shared_perm=False)
+    eng = make_engine(base, dtype="bfloat16", lora_modules=modules(adapters), enable_prefix_caching=False)
     jobs = []
     for i, prompt in enumerate(PROMPTS):
         for lora in (None, "all", "qv_rs", "mlp"):
