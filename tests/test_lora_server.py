@@ -129,13 +129,14 @@ def test_openai_front_adapters_as_models_loaded_and_unloaded_at_run_time(front, 
         client.completions.create(model="c", prompt=PROMPT, max_tokens=2)
 
 
-def test_lora_requests_info_names_the_running_adapters(server):
+def test_lora_metrics_name_the_running_adapters_and_count_requests_per_adapter(server):
     def current():
         """The series with the latest value (vLLM's gauge: the value is when its labels were last true)."""
         fam = server.metric_families().get("vllm:lora_requests_info")
         samples = [s for s in fam.samples if s.labels.get("model") == "qwen3_lora"] if fam else []
         return max(samples, key=lambda s: s.value).labels if samples else None
 
+    before = server.metric("vllm:lora_requests_total", "qwen3_lora", lora_name="a")
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(collect, server.grpc_url, "qwen3_lora", prompt=PROMPT,
                               sampling_parameters={**GREEDY, "max_tokens": 400, "lora_name": "a"})
@@ -149,3 +150,4 @@ def test_lora_requests_info_names_the_running_adapters(server):
     assert seen["running_lora_adapters"] == "a" and seen["waiting_lora_adapters"] == "" and seen["max_lora"] == "2"
     time.sleep(0.3)
     assert (current()["running_lora_adapters"], current()["waiting_lora_adapters"]) == ("", "")
+    assert server.metric("vllm:lora_requests_total", "qwen3_lora", lora_name="a") == before + 1

@@ -53,6 +53,7 @@ class FinishedRequest:
     e2e_s: float
     prompt_tokens: int
     generation_tokens: int
+    lora_name: str | None = None     # its LoRA adapter (counted in vllm:lora_requests_total), None: the base
 log = get_logger()
 
 
@@ -144,6 +145,9 @@ class EngineMetrics:
         self._lora_info = None if max_loras is None else fam(
             "vllm:lora_requests_info", "Running stats on lora requests.", M.GAUGE)
         self._lora_series: dict[tuple, object] = {}
+        self._lora_requests = None if max_loras is None else fam(
+            "vllm:lora_requests_total", "Finished requests by LoRA adapter", M.COUNTER)
+        self._lora_counts: dict[str, object] = {}
 
     def _finished(self, req: FinishedRequest) -> None:
         metric = self._by_reason.get(req.reason)
@@ -155,6 +159,12 @@ class EngineMetrics:
         self.request_prompt.observe(req.prompt_tokens)
         self.request_generation.observe(req.generation_tokens)
         self.request_n.observe(1)    # n > 1 is refused at admission
+        if req.lora_name is not None and self._lora_requests is not None:
+            counter = self._lora_counts.get(req.lora_name)
+            if counter is None:
+                counter = self._lora_counts[req.lora_name] = self._lora_requests.Metric(
+                    labels={**self._labels, "lora_name": req.lora_name})
+            counter.increment(1)
 
     def flush(self, updates: MetricsBuffer, stats) -> None:
         """Applies buffered updates and the engine's latest stats (calls into the server process)."""

@@ -274,7 +274,8 @@ class TritonLLMModel:
         """Counts a finished request and lets the metrics thread publish it before the final response goes
         out (bounded: a stalled metrics call delays a final response by FINAL_METRICS_WAIT_S at most)."""
         self.metrics.record(finished=FinishedRequest(reason, time.perf_counter() - state.arrival,
-                                                     len(state.prompt_ids), state.generated))
+                                                     len(state.prompt_ids), state.generated,
+                                                     state.req.sampling.get("lora_name")))
         if not self._exiting:
             self.publisher.flush(wait=FINAL_METRICS_WAIT_S)
 
