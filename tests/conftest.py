@@ -13,6 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from helpers import HUB_ID, HUB_REVISION, SERVER_ENGINE, make_engine, make_hub_cache  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No GPU here: the Triton kernel set runs through Triton's interpreter. The variable must be set before any
+# module defines the @triton.jit kernels (whichever test module imports them first); the AOT test compiles
+# the GPU code path in a subprocess without it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 

@@ -72,3 +72,32 @@ def test_bf16_compute_stays_close(a8w8_ckpt, reference_runs):
     delta = (ours - emulated).abs().mean().item()
     print(f"\nA8W8 bf16 compute: mean |delta logprob| vs fp32 emulation = {delta:.3f}")
     assert delta < 0.15
+
+
+def test_int8_lm_head_is_the_a8w8_kernel_on_a_per_channel_head_and_keeps_the_embedding(a8w8_ckpt):
+    """lm_head_quant: int8: logits are exactly the A8W8 reference on the per-channel int8 head (fp32 activations
+    quantized per token), the tied embedding still returns the checkpoint's rows, and greedy ids do not depend
+    on the batch. The default keeps the checkpoint's float head."""
+    from backend_lib.config import EngineConfig
+    from backend_lib.kernels.reference import a8w8_linear
+    from backend_lib.layers.linear import A8W8Linear, FloatLinear
+
+    assert isinstance(make_engine(a8w8_ckpt, dtype="bfloat16").runner.model.lm_head, FloatLinear)
+    eng = make_engine(a8w8_ckpt, dtype="bfloat16", lm_head_quant="int8")
+    model = eng.runner.model
+    assert isinstance(model.lm_head, A8W8Linear)
+    embed = safe_open(str(a8w8_ckpt / "model.safetensors"), "pt").get_tensor("model.embed_tokens.weight")
+    ids = torch.tensor([0, 7, 9707, 151935])
+    assert torch.equal(model.embed(ids), embed[ids].to(torch.bfloat16))
+    w_q, w_s = quantize_per_token(embed.to(torch.bfloat16))
+    hidden = torch.randn(5, embed.shape[1]).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = model.logits(hidden)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, a8w8_linear(hidden.float(), w_q, w_s.reshape(-1)))
+    prompts = [[9707, 11, 1879, 0, 576], [40, 1079, 264], [151644, 872, 198, 9707]]
+    params = eng.make_params({"temperature": 0, "max_tokens": 12, "ignore_eos": True})
+    alone = [eng.generate([p], params)[0]["output_ids"] for p in prompts]
+    assert [r["output_ids"] for r in eng.generate(prompts, params)] == alone
+    with pytest.raises(ValueError, match="lm_head_quant"):
+        EngineConfig.from_params({"checkpoint": "x", "lm_head_quant": "int4"})

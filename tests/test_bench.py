@@ -1,6 +1,8 @@
 """The benchmark's own arithmetic: the long-context prompts and the report's ratios (no model runs here)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.report import write_report
 from bench.run import decode_rate
 from bench.workers.common import _long_decode
@@ -51,3 +53,56 @@ def test_the_report_gives_long_context_ratios_and_capacity(tmp_path):
 def test_one_decode_rate_definition():
     assert decode_rate(4, 32, full_s=3.0, prefill_s=1.0) == 4 * 31 / 2.0   # B (N - 1) / (full - prefill)
     assert decode_rate(1, 2, full_s=1.0, prefill_s=1.0) > 1e8              # no division by zero
+
+
+def test_llamacpp_commands_and_parsing(tmp_path):
+    """The llama.cpp system: the build configured from the real vendored path with the pinned options, its tools'
+    command lines, their output parsed, and the report's ratios to llama.cpp Q8_0 (nothing is built here)."""
+    from bench import llamacpp
+
+    real = tmp_path / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    real.mkdir(parents=True)
+    (real / "CMakeLists.txt").write_text("")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "src").symlink_to(tmp_path / "src")                    # a symlinked folder: cmake gets the real path
+    src = llamacpp.source_dir(home)
+    assert src == real.resolve() and not any(p.is_symlink() for p in [src, *src.parents])
+    cfg = llamacpp.configure_command(src, home / "build")
+    assert cfg[:5] == ["cmake", "-S", str(src), "-B", str(home / "build")]
+    for flag in ("-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF"):
+        assert flag in cfg
+    assert cfg[cfg.index("-G") + 1] == "Ninja"
+    build = llamacpp.build_command(home / "build", jobs=2)
+    assert build[build.index("--target") + 1:build.index("-j")] == list(llamacpp.TARGETS)
+    assert set(llamacpp.TARGETS) == {"llama-bench", "llama-batched-bench", "llama-server", "llama-quantize"}
+
+    cmd = llamacpp.batched_bench_command(Path("m.gguf"), 2, 128, 128, [1, 16], home)
+    assert cmd[0] == str(home / "build" / "bin" / "llama-batched-bench")
+    opt = {cmd[i]: cmd[i + 1] for i in range(1, len(cmd) - 1, 2)}
+    assert (opt["-m"], opt["-t"], opt["-npp"], opt["-ntg"], opt["-npl"], opt["--output-format"]) == (
+        "m.gguf", "2", "128", "128", "1,16", "jsonl")
+    assert int(opt["-c"]) >= 16 * 256                               # every sequence's prompt and tokens fit
+    out = ("main: n_kv_max = 4112\n"
+           '{"n_kv_max": 4112, "n_batch": 2048}\n'
+           '{"pp": 128, "tg": 128, "pl": 1, "n_kv": 256, "t_pp": 0.500000, "speed_pp": 256.000000, '
+           '"t_tg": 4.000000, "speed_tg": 32.000000, "t": 4.5, "speed": 56.9}\n'
+           '{"pp": 128, "tg": 128, "pl": 16, "n_kv": 4096, "t_pp": 8.0, "speed_pp": 256.0, "t_tg": 32.0, '
+           '"speed_tg": 64.0, "t": 40.0, "speed": 102.4}\n')
+    rows = llamacpp.parse_batched_bench(out)
+    assert [(r["batch"], r["decode_tokens_per_s"], r["prefill_tokens_per_s"]) for r in rows] == [
+        (1, 32.0, 256.0), (16, 64.0, 256.0)]
+    lb = llamacpp.llama_bench_command(Path("m.gguf"), 2, 128, 128, home=home)
+    assert lb[lb.index("-o") + 1] == "json" and lb[lb.index("-p") + 1] == "128" and lb[lb.index("-n") + 1] == "128"
+    parsed = llamacpp.parse_llama_bench('build: x\n[{"n_prompt": 128, "n_gen": 0, "avg_ts": 150.5}, '
+                                        '{"n_prompt": 0, "n_gen": 128, "avg_ts": 30.25}]')
+    assert parsed == {"pp128": 150.5, "tg128": 30.25}
+
+    rep = [{"group": "llamacpp", "system": s, "mode": "decode", "batch": 1, "decode_tokens_per_s": v}
+           for s, v in (("engine A8W8", 40.0), ("llama.cpp Q8_0", 32.0))]
+    rep += [{"group": "llamacpp", "system": s, "mode": "prefill", "prompt_len": 128, "prefill_tokens_per_s": v}
+            for s, v in (("engine A8W8", 512.0), ("llama.cpp Q8_0", 256.0))]
+    write_report(rep, {"cpu": "test", "cores": 2, "isa": []}, tmp_path)
+    md = (tmp_path / "table.md").read_text()
+    assert "| engine A8W8 | 40.0 (1.25x) | 512.0 (2.00x) |" in md
+    assert "| llama.cpp Q8_0 | 32.0 | 256.0 |" in md

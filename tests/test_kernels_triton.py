@@ -121,6 +121,38 @@ def test_paged_attention_rows_are_identical_in_prompt_chunk_decode_and_any_batch
     assert torch.equal(mixed[5], whole[20])
 
 
+def test_the_set_owns_a_row_by_row_kv_layout_and_attends_over_it_like_the_reference():
+    """Dense caches in the Triton set's layout ([P, KVH, S, D]) and in the blocked one, written through each set's
+    write_kv from the same rows: the same attention (decode, a chunk over cached tokens, a prompt)."""
+    from backend_lib.kv_cache import DenseKVCache
+    from backend_lib.kv_cache.metadata import AttentionMetadata
+
+    g = torch.Generator().manual_seed(3)
+    kvh, h, d, page, n_pages = 2, 4, 32, 16, 10
+    mine = DenseKVCache(1, n_pages, page, kvh, d, torch.bfloat16, torch.device("cpu"), TRI)
+    theirs = DenseKVCache(1, n_pages, page, kvh, d, torch.bfloat16, torch.device("cpu"), ref.KERNELS)
+    assert mine.k[0].shape == (n_pages, kvh, page, d) and theirs.k[0].dim() == 5
+    lens, qlens = [40, 30, 17], [1, 10, 17]
+    perm = torch.randperm(n_pages, generator=g).tolist()
+    tables = torch.zeros(3, 3, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        k = -(-n // page)
+        tables[b, :k] = torch.tensor(perm[:k])
+        perm = perm[k:]
+        rows = torch.randn(n, kvh, d, generator=g).to(torch.bfloat16)
+        slots = torch.tensor([int(tables[b, p // page]) * page + p % page for p in range(n)])
+        TRI.write_kv(rows, rows.flip(-1), mine.k[0], mine.v[0], slots)
+        ref.write_kv(rows, rows.flip(-1), theirs.k[0], theirs.v[0], slots)
+    q = torch.randn(sum(qlens), h, d, generator=g).to(torch.bfloat16)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_tables=tables,
+                             query_start_loc=torch.tensor([0, 1, 11, 28], dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32))
+    got = mine.attend(0, q, meta, d ** -0.5)
+    torch.testing.assert_close(got.float(), theirs.attend(0, q, meta, d ** -0.5).float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(got, TRI.paged_attention(q, theirs.k[0], theirs.v[0], tables, meta.query_start_loc,
+                                                meta.seq_lens, d ** -0.5))       # the same bits from either layout
+
+
 def _tq_pages(n, d, page_size=16):
     pages = -(-n // page_size)
     kw = page_size
@@ -167,7 +199,8 @@ PROMPT = "Hello there, how are you doing today? The weather is fine and the sea 
 
 def _generate(ckpt, kernels, dtype, kv_cache):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "backend_lib.generate", "--checkpoint", str(ckpt), "--kernels", kernels,
+    proc = subprocess.run([sys.executable, "-m", "backend_lib.generate", "--checkpoint", str(ckpt),
+                           "--kernels", kernels,
                            "--dtype", dtype, "--kv-cache", kv_cache, "--page-size", "16",
                            "--prompt", PROMPT, "--max-tokens", "6",
                            "--temperature", "0", "--ignore-eos", "--json"],

@@ -71,3 +71,39 @@ def test_min_p_keeps_tokens_within_a_fraction_of_the_top_probability():
     picks = {s(logits, [FakeSeq(P(min_p=0.5), seed=seed)])[0].token_id for seed in range(60)}
     assert picks == {0, 1}                     # p(2) / p(0) = e^-2 < 0.5: filtered
     assert {s(logits, [FakeSeq(P(), seed=seed)])[0].token_id for seed in range(200)} > {0, 1}
+
+
+def test_greedy_on_device_equals_the_host_sampler_and_declines_what_it_cannot_do():
+    """The fast path for a step of plain greedy rows (only ids leave the device) gives __call__'s tokens; it
+    declines rows that need processing or logprobs, and non-finite logits (whose error __call__ words)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 100, generator=g)
+    logits[2, 7] = logits[2].max() + 1
+    logits[3, [3, 9]] = logits[3].max() + 1                  # a tie: the first index, as argmax on the host
+    s = Sampler()
+    plain = [FakeSeq(P(temperature=0)) for _ in range(4)]
+    fast = s.greedy_on_device(logits, plain)
+    assert [x.token_id for x in fast] == [x.token_id for x in s(logits, plain)] and fast[3].token_id == 3
+    for odd in (P(temperature=0.7), P(temperature=0, repetition_penalty=1.2), P(temperature=0, logprobs=2),
+                P(temperature=0, min_tokens=3)):
+        assert s.greedy_on_device(logits, plain[:3] + [FakeSeq(odd)]) is None
+    bad = logits.clone()
+    bad[1, 0] = float("nan")
+    assert s.greedy_on_device(bad, plain) is None
+
+
+def test_greedy_picks_and_nonfinite_rows_match_the_plain_torch_rules():
+    from backend_lib.sampling.sampler import greedy_picks, nonfinite_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 151936, generator=g)
+    x[1, 5] = x[1, 9] = 100.0                        # a tie: the first index wins
+    x[2] = float("-inf")
+    x[2, 7] = -1e30                                  # a masked row with one allowed token
+    x[3, :100] = 3e38                                # finite, but its sum overflows: not a bad row
+    x[4, 11] = float("nan")
+    x[5, 3] = float("inf")
+    rows = [0, 1, 2, 3]
+    assert greedy_picks(x, rows) == x[rows].argmax(dim=-1).tolist()
+    assert greedy_picks(x[:4], rows) == x[:4].argmax(dim=-1).tolist()
+    assert nonfinite_rows(x) == (~torch.isfinite(x).all(dim=-1)).nonzero().flatten().tolist() == [2, 4, 5]

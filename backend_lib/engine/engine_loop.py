@@ -144,6 +144,8 @@ class EngineLoop:
         engine = self.engine
         while True:
             with self._cv:
+                if not self._inbox and not engine.has_unfinished() and not self._stopping:
+                    engine.idle()
                 while not self._inbox and not engine.has_unfinished() and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
@@ -162,3 +164,4 @@ class EngineLoop:
         for out in engine.abort_all(self._shutdown_reason):
             self._deliver(out)
         engine.publish_stats()
+        engine.idle()

@@ -19,7 +19,7 @@ import torch
 from .. import cpu_policy
 from ..checkpoint import ModelConfig, parse_quantization_config
 from ..config import EngineConfig, fault_every
-from ..device import parse_dtype, resolve_device, trim_host_memory
+from ..device import bind_device, parse_dtype, resolve_device, trim_host_memory
 from ..kernels import get_kernels
 from ..kv_cache import BlockManager
 from ..kv_cache.pool import pool_token_capacity
@@ -58,8 +58,15 @@ class LLMEngine:
         self.cfg = cfg
         t0 = time.time()
         self.device = resolve_device(cfg.device)
+        bind_device(self.device)       # LLMEngine is built in the engine thread (EngineLoop.build)
         self.dtype = parse_dtype(cfg.dtype, self.device)
-        cores, _ = cpu_policy.apply(cfg.cpu_cores, cfg.num_threads)
+        # the operator's cores / threads are fixed; otherwise the launcher's share, resized per step
+        self.core_share = None
+        if cfg.cpu_share and not (cfg.cpu_cores or cfg.num_threads):
+            self.core_share = cpu_policy.CoreShare(cfg.cpu_share)
+            cores = self.core_share.start()
+        else:
+            cores, _ = cpu_policy.apply(cfg.cpu_cores, cfg.num_threads)
         self.model_config = mc = ModelConfig.from_dir(cfg.checkpoint)
         scheme = parse_quantization_config(mc.quantization_config)
         self.quantization = scheme.kind if scheme else None
@@ -163,6 +170,8 @@ class LLMEngine:
 
     # ----- stepping --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.core_share is not None:
+            self.core_share.before_step()
         plan = self.scheduler.schedule()
         if not plan:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -199,6 +208,12 @@ class LLMEngine:
             outputs.append(out)
         self.publish_stats(generation_tokens=sum(len(o.new_token_ids) for o in outputs))
         return outputs
+
+    def idle(self) -> None:
+        """Nothing left to compute (the engine thread is about to wait): the models sharing the cores may take
+        this engine's at their next step."""
+        if self.core_share is not None:
+            self.core_share.idle()
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         out = self.output.finish(seq, reason, error)

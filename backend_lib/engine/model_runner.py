@@ -11,6 +11,7 @@ from ..kv_cache import allocate_kv_cache
 from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
 from ..sampling.sampler import Sample, SampleError, Sampler
+from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ class ModelRunner:
                  max_model_len: int, fault_every: int | None = None):
         self.device, self.page_size = device, cfg.page_size
         self.model = Qwen3ForCausalLM.from_checkpoint(WeightStore(cfg.checkpoint), model_config, scheme, dtype,
-                                                      device, kernels, max_model_len)
+                                                      device, kernels, max_model_len, cfg.lm_head_quant)
         self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels, cfg.kv_cache_memory,
                                           cfg.page_size, max_model_len, cfg.max_num_seqs, seed=cfg.tq_seed)
         self.sampler = Sampler()
@@ -35,10 +36,16 @@ class ModelRunner:
 
             self.lora_ctx = LoraContext()
             attach(self.model, self.lora_ctx, kernels)
+        # decode replayed from CUDA graphs: the Triton set only (its KV writes skip the padding rows)
+        self.graphs = None
+        if cfg.cuda_graphs and device.type == "cuda" and kernels.name == "triton":
+            self.graphs = DecodeGraphs(self, cfg.max_num_seqs, -(-max_model_len // cfg.page_size))
         self.fault_every = fault_every
         self.steps = 0
 
     def prepare(self, plan: list[tuple[Sequence, int]]):
+        if self.is_decode(plan):
+            return self.prepare_decode(plan)
         S = self.page_size
         ids: list[int] = []
         positions: list[int] = []
@@ -70,18 +77,54 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
                 meta, sample_rows, sample_seqs)
 
+    @staticmethod
+    def is_decode(plan: list[tuple[Sequence, int]]) -> bool:
+        return all(n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in plan)
+
+    def decode_inputs(self, plan: list[tuple[Sequence, int]]):
+        """A decode step's three small host-to-device copies: ids [B], block tables [B, W], cached lengths [B]."""
+        width = max(len(seq.block_table) for seq, _ in plan)
+        tables = torch.zeros((len(plan), width), dtype=torch.int32)
+        for b, (seq, _) in enumerate(plan):
+            tables[b, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        dev = self.device
+        ids = torch.tensor([seq.tokens[seq.num_computed] for seq, _ in plan], dtype=torch.int64, device=dev)
+        context = torch.tensor([seq.num_computed for seq, _ in plan], dtype=torch.int32, device=dev)
+        return ids, tables.to(dev), context
+
+    def prepare_decode(self, plan: list[tuple[Sequence, int]]):
+        """A decode step: the rest of the metadata is derived on the device (AttentionMetadata.for_decode)."""
+        ids, tables, context = self.decode_inputs(plan)
+        meta, positions = AttentionMetadata.for_decode(tables, context, self.page_size)
+        return ids, positions, meta, list(range(len(plan))), [seq for seq, _ in plan]
+
+    def decode_logits(self, input_ids: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor) -> torch.Tensor:
+        """The device side of a decode step, from device tensors only: fp32 logits [B, vocab]. Nothing here
+        reads a device value on the host (tests/test_no_host_sync.py runs it under FakeTensorMode)."""
+        meta, positions = AttentionMetadata.for_decode(block_tables, context_lens, self.page_size)
+        return self.model.logits(self.model(input_ids, positions, self.kv_cache, meta))
+
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sample | SampleError]]:
         """Runs the step; a raise here is a fault of the whole forward. Sampling faults are per row."""
         self.steps += 1
         if self.fault_every and self.steps % self.fault_every == 0:
             raise InjectedFault(f"injected fault at step {self.steps} (fault_injection every:{self.fault_every})")
-        input_ids, positions, meta, rows, seqs = self.prepare(plan)
-        hidden = self.forward(plan, input_ids, positions, meta)
-        if not seqs:
-            return []
-        logits = self.model.logits(hidden[rows])
-        samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
+        # a step with LoRA rows runs eagerly (the graphs hold the base model's forward only)
+        if self.graphs is not None and self.is_decode(plan) and not any(seq.lora for seq, _ in plan) and \
+                self.graphs.fits(len(plan), max(len(seq.block_table) for seq, _ in plan)):
+            seqs = [seq for seq, _ in plan]
+            logits = self.graphs.run(*self.decode_inputs(plan))
+        else:
+            input_ids, positions, meta, rows, seqs = self.prepare(plan)
+            hidden = self.forward(plan, input_ids, positions, meta)
+            if not seqs:
+                return []
+            logits = self.model.logits(hidden[rows])
+        samples = self.sampler.greedy_on_device(logits, seqs) if logits.device.type != "cpu" else None
+        if samples is None:
+            samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
         return list(zip(seqs, samples))
 
     def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta) -> torch.Tensor:

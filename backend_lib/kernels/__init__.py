@@ -3,7 +3,7 @@
   reference/  pure PyTorch, any device: the yardstick every other set is tested against
   cpu/        C++ kernels compiled at load (cpu/build.py, cpu/csrc/), cached on disk
   triton/     OpenAI Triton kernels for CUDA GPUs (the `[cuda]` extra; TRITON_INTERPRET=1 runs them on the CPU)
-  npu/        torch_npu fused ops for Ascend NPUs (planned: issue 21)
+  npu/        torch_npu fused ops for Ascend NPUs (asked for with `kernels: npu`: not yet run on an NPU)
 
 `get_kernels(device, backend)` picks one. Every set is batch invariant, so a sequence computes the same
 numbers whatever else shares its batch.
@@ -20,14 +20,14 @@ from .contract import Kernels
 log = logging.getLogger(__name__)
 
 REFERENCE = reference.KERNELS
-KERNEL_BACKENDS = ("auto", "reference", "cpu", "triton")
+KERNEL_BACKENDS = ("auto", "reference", "cpu", "triton", "npu")
 
 __all__ = ["KERNEL_BACKENDS", "Kernels", "REFERENCE", "get_kernels", "reference"]
 
 
 def get_kernels(device: torch.device | str, backend: str = "auto", cache_dir=None) -> Kernels:
-    """backend: 'auto' (the device's best), 'reference' (pure PyTorch), 'cpu' (compiled, required) or 'triton'
-    (required); validated by EngineConfig."""
+    """backend: 'auto' (the device's best), 'reference' (pure PyTorch), 'cpu' (compiled, required), 'triton'
+    or 'npu' (required); validated by EngineConfig."""
     device = torch.device(device)
     if backend == "reference":
         return REFERENCE
@@ -35,6 +35,10 @@ def get_kernels(device: torch.device | str, backend: str = "auto", cache_dir=Non
         from . import triton
 
         return triton.load(device)
+    if backend == "npu":      # not picked by auto until it has run on an NPU (kernels/npu/__init__.py)
+        from . import npu
+
+        return npu.load(device)
     if device.type == "cuda":
         from . import triton
 

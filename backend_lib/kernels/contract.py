@@ -3,8 +3,8 @@
 Shapes (T = tokens in the step, B = sequences in the step, H / KVH = query / KV heads, D = head_dim):
   hidden x            [T, K] in the model dtype
   q / k / v           [T, H, D] / [T, KVH, D] / [T, KVH, D]
-  dense KV cache      K [num_pages, KVH, page_size / KW, D, KW] (blocks of KW keys, transposed: see
-                      kv_cache/layout.py), V [num_pages, KVH, page_size, D]; one pair per layer
+  dense KV cache      the set's layout (kv_shapes); by default K [num_pages, KVH, page_size / KW, D, KW]
+                      (blocks of KW keys, transposed: kv_cache/layout.py), V [num_pages, KVH, page_size, D]
   TurboQuant cache    K codes [P, KVH, S / KW, D / 2, KW] uint8, V codes [P, KVH, S, D / 2] uint8,
                       scales [P, KVH, S] fp32 (kv_cache/turboquant.py)
   block_tables        [B, max_pages] int32 (page ids of each sequence, padded)
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+from ..kv_cache.layout import blocked_kv_shapes
 
 
 @dataclass(frozen=True)
@@ -45,3 +47,6 @@ class Kernels:
                                 #  boundaries) -> None (encode and scatter, see kv_cache/tq_codec.py)
     tq_paged_attention: Callable  # (q, k_codes, k_scales, v_codes, v_scales, block_tables, query_start_loc,
                                   #  seq_lens, rotation, centroids, scale) -> [T, H, D], in the rotated space
+    # (num_pages, page_size, KVH, D) -> (K shape, V shape) of a layer's dense cache: the set owns its layout
+    # (write_kv and paged_attention read it); the blocked layout above unless a set needs another
+    kv_shapes: Callable = blocked_kv_shapes

@@ -1,12 +1,11 @@
-"""The unquantized paged KV cache in the model dtype: K [pages, kv_heads, page_size / KW, head_dim, KW]
-(blocks of KW keys, transposed, so a vector holds one dimension of consecutive keys), V [pages, kv_heads,
-page_size, head_dim]."""
+"""The unquantized paged KV cache in the model dtype, in the kernel set's layout (`Kernels.kv_shapes`): by default
+K [pages, kv_heads, page_size / KW, head_dim, KW] (blocks of KW keys, transposed, so a vector holds one dimension
+of consecutive keys), V [pages, kv_heads, page_size, head_dim]."""
 from __future__ import annotations
 
 import torch
 
 from .base import register_kv_cache
-from .layout import key_block_width
 from .metadata import AttentionMetadata
 
 
@@ -17,11 +16,9 @@ class DenseKVCache:
         self.num_pages, self.page_size = num_pages, page_size
         self.kernels = kernels
         self.content_key = f"dense:{dtype}"   # nothing random: seed is not used
-        kw = key_block_width(page_size)
-        self.k = [torch.zeros((num_pages, num_kv_heads, page_size // kw, head_dim, kw), dtype=dtype, device=device)
-                  for _ in range(num_layers)]
-        self.v = [torch.zeros((num_pages, num_kv_heads, page_size, head_dim), dtype=dtype, device=device)
-                  for _ in range(num_layers)]
+        k_shape, v_shape = kernels.kv_shapes(num_pages, page_size, num_kv_heads, head_dim)   # the set's layout
+        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -19,3 +19,21 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
+
+    @classmethod
+    def for_decode(cls, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                   page_size: int) -> tuple["AttentionMetadata", torch.Tensor]:
+        """A decode step (one new token per sequence) built on the tensors' device from the block tables and
+        the tokens already cached ([B] int32), with no host round trip: (metadata, positions int64 [B]).
+        The same integers the host-side construction gives; the form a captured decode graph replays.
+        A negative cached length marks a padding row of a graph's batch bucket: slot -1 (the Triton KV writes
+        skip it), position 0, one key of its table's first page to read."""
+        pad = context_lens < 0
+        positions = context_lens.long().clamp(min=0)
+        pages = block_tables.gather(1, (positions // page_size).unsqueeze(1)).squeeze(1).long()
+        b = block_tables.shape[0]
+        meta = cls(slot_mapping=(pages * page_size + positions % page_size).masked_fill(pad, -1),
+                   block_tables=block_tables,
+                   query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=block_tables.device),
+                   seq_lens=(positions + 1).to(torch.int32))
+        return meta, positions

@@ -22,8 +22,8 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache, meta):
         t = x.shape[0]
-        q, k, v = self.kernels.qk_norm_rope(self.qkv_proj(x), self.q_norm, self.k_norm, positions, cos_sin,
+        q, k, v = self.kernels.qk_norm_rope(self.qkv_proj.forward(x), self.q_norm, self.k_norm, positions, cos_sin,
                                             self.num_heads, self.num_kv_heads, self.eps)
         kv_cache.write(self.layer_idx, k, v, meta)
         o = kv_cache.attend(self.layer_idx, q, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj.forward(o.reshape(t, self.num_heads * self.head_dim))

@@ -47,7 +47,11 @@ class A8W8Linear(nn.Module):
         self.kernels = kernels
         self.prepared = kernels.a8w8_prepare(weight, weight_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype: y in that dtype (the kernel's output is x's: x is converted first, which for bf16 x and
+        fp32 out is exact and leaves the activation quantization unchanged)."""
+        if out_dtype is not None and out_dtype != x.dtype:
+            x = x.to(out_dtype)
         return self.kernels.a8w8_linear(x, self.prepared)
 
 
@@ -90,6 +94,20 @@ def _load_int4(store: WeightStore, names, out_features, in_features, scheme, dev
 def _to(w: Int4Weight, device) -> Int4Weight:
     return Int4Weight(w.codes.to(device), w.scales.to(device), w.zeros.to(device), w.group_size,
                       None if w.perm is None else w.perm.to(device))
+
+
+def quantize_linear(weight: torch.Tensor, kernels: Kernels, rows_per_chunk: int = 8192) -> A8W8Linear:
+    """A8W8Linear of a float weight [N, K]: symmetric per-channel int8, s_n = max|w_n| / 127,
+    q = round_half_even(w / s_n) (the activations' rule, per output row), in chunks of rows so the fp32
+    transient stays small (`lm_head_quant: int8`)."""
+    from ..kernels.reference import quantize_per_token
+
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for r in range(0, weight.shape[0], rows_per_chunk):
+        q[r:r + rows_per_chunk], s = quantize_per_token(weight[r:r + rows_per_chunk])
+        scale[r:r + rows_per_chunk] = s.reshape(-1)
+    return A8W8Linear(q, scale, kernels)
 
 
 def load_linear(store: WeightStore, names: list[str], out_features: list[int], in_features: int,

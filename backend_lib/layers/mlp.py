@@ -14,4 +14,4 @@ class Qwen3MLP(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(self.kernels.silu_mul(self.gate_up_proj.forward(x)))

@@ -58,7 +58,7 @@ class LoraLinear(nn.Module):
         self.base, self.layer, self.fused, self.ctx, self.kernels = base, layer, fused, ctx, kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y = self.base.forward(x)
         batch = self.ctx.batch
         if batch is None:
             return y

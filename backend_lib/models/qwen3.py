@@ -14,7 +14,7 @@ from torch import nn
 from ..checkpoint import ModelConfig, QuantScheme, WeightStore
 from ..kernels import Kernels
 from ..layers.attention import Qwen3Attention
-from ..layers.linear import FLOAT_DTYPES, FloatLinear, load_linear
+from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear, load_linear, quantize_linear
 from ..layers.mlp import Qwen3MLP
 
 log = logging.getLogger(__name__)
@@ -34,14 +34,14 @@ class Qwen3DecoderLayer(nn.Module):
             h = self.kernels.rms_norm(x, self.input_layernorm, self.eps)
         else:
             h, residual = self.kernels.add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        h = self.self_attn(h, positions, cos_sin, kv_cache, meta)
+        h = self.self_attn.forward(h, positions, cos_sin, kv_cache, meta)
         h, residual = self.kernels.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(h), residual
+        return self.mlp.forward(h), residual
 
 
 class Qwen3ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor | None, layers: list[Qwen3DecoderLayer],
-                 norm: torch.Tensor, lm_head: FloatLinear, max_positions: int, kernels: Kernels):
+                 norm: torch.Tensor, lm_head: FloatLinear | A8W8Linear, max_positions: int, kernels: Kernels):
         """embed None: the embedding is tied to lm_head and read from its (packed) weight."""
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
@@ -65,8 +65,10 @@ class Qwen3ForCausalLM(nn.Module):
         """Final-normed hidden states [T, hidden] of the step's tokens."""
         x = self.embed(input_ids)
         residual = None
+        # .forward, not __call__: the decoder's ~200 module calls a step each cost ~4.5 us in nn.Module's hook
+        # machinery (~0.9 ms of a ~21 ms batch-1 step, bench.step_profile's "Python"); no hooks are used here
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta)
+            x, residual = layer.forward(x, residual, positions, self.cos_sin, kv_cache, meta)
         h, _ = self.kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return h
 
@@ -76,7 +78,10 @@ class Qwen3ForCausalLM(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
-                        device: torch.device, kernels: Kernels, max_positions: int) -> "Qwen3ForCausalLM":
+                        device: torch.device, kernels: Kernels, max_positions: int,
+                        lm_head_quant: str = "checkpoint") -> "Qwen3ForCausalLM":
+        """lm_head_quant: 'checkpoint' (the head as the checkpoint stores it) or 'int8' (quantized per channel
+        at load, computed by the A8W8 kernel; a tied embedding then keeps its own float rows)."""
         t0 = time.time()
         hid, d = cfg.hidden_size, cfg.head_dim
         h, kvh, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
@@ -88,15 +93,21 @@ class Qwen3ForCausalLM(nn.Module):
 
         # The head first, while little else is resident: packing it holds the raw weight and its packed form
         # at once, and with tied embeddings that is the largest tensor of a small model.
+        def head(name):
+            w = dense(name, (cfg.vocab_size, hid), keep=False)
+            return quantize_linear(w, kernels) if lm_head_quant == "int8" else FloatLinear(w, kernels)
+
         if store.has("lm_head.weight"):
             if scheme is not None and scheme.is_quantized("lm_head"):
                 raise ValueError("quantization_config: a quantized lm_head is not supported; add it to 'ignore'")
-            lm_head = FloatLinear(dense("lm_head.weight", (cfg.vocab_size, hid), keep=False), kernels)
+            lm_head = head("lm_head.weight")
             store.release()
             embed = dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
         elif cfg.tie_word_embeddings:
-            lm_head = FloatLinear(dense("model.embed_tokens.weight", (cfg.vocab_size, hid), keep=False), kernels)
-            embed = None   # read from the lm_head's weight, never held twice
+            lm_head = head("model.embed_tokens.weight")
+            # a float head holds the embedding (read from its packed weight, never held twice); an int8 one
+            # does not: the embedding rows are the checkpoint's, not the quantized head's
+            embed = None if isinstance(lm_head, FloatLinear) else dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
         else:
             from ..checkpoint import CheckpointError
             raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")

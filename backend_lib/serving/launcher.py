@@ -156,7 +156,8 @@ def command(args: list[str]) -> tuple[list[str], dict[str, str]]:
     return bundled_command(args)
 
 
-PARTITION_ENV = "QWEN3_CPU_PARTITION"             # "off": leave the LLM models' cores to their own parameters
+PARTITION_ENV = "QWEN3_CPU_PARTITION"             # "off": leave the LLM models' cores to their own parameters;
+                                                  # "static": each model its fixed share (no work-conserving)
 LLM_MARKER = "TritonLLMModel"                     # what an LLM model's model.py is built on
 
 
@@ -185,31 +186,46 @@ def llm_models(args: list[str]) -> list[tuple[str, Path]]:
     return out
 
 
-def cpu_partition(args: list[str], env: dict[str, str]) -> dict[str, str]:
-    """The environment with each LLM model's $<MODEL>_CPU_CORES set to its share of this process's cores
-    (backend_lib/cpu_policy.py), except where the operator chose (the variable or a cpu_cores/num_threads
-    parameter); and libgomp's short spin unless GOMP_SPINCOUNT / OMP_WAIT_POLICY are set."""
+def cpu_partition(args: list[str], env: dict[str, str], share_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """The environment with the LLM models' cores (backend_lib/cpu_policy.py), except where the operator chose
+    (the variable or a cpu_cores/num_threads parameter): by default $<MODEL>_CPU_SHARE, every such model a slot
+    of one share file in `share_dir` (work-conserving: a model busy alone computes on every core, busy ones
+    split them); with $QWEN3_CPU_PARTITION=static $<MODEL>_CPU_CORES, each its fixed share. And libgomp's
+    short spin unless GOMP_SPINCOUNT / OMP_WAIT_POLICY are set."""
     from .. import cpu_policy
 
     env = dict(env)
     if not any(k in env for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")):
         env["GOMP_SPINCOUNT"] = cpu_policy.SPIN_COUNT
-    if env.get(PARTITION_ENV, "").strip().lower() in ("off", "false", "0"):
+    mode = env.get(PARTITION_ENV, "").strip().lower()
+    if mode in ("off", "false", "0"):
         return env
     free = []
     for name, folder in llm_models(args):
         pbtxt = (folder / "config.pbtxt").read_text(errors="replace")
-        chosen = any(f'key: "{k}"' in pbtxt for k in ("cpu_cores", "num_threads")) or any(
-            f"{name.upper()}_{k}" in env for k in ("CPU_CORES", "NUM_THREADS"))
+        chosen = any(f'key: "{k}"' in pbtxt for k in ("cpu_cores", "num_threads", "cpu_share")) or any(
+            f"{name.upper()}_{k}" in env for k in ("CPU_CORES", "NUM_THREADS", "CPU_SHARE"))
         if not chosen:
             free.append(name)
-    shares = cpu_policy.partition(free, cpu_policy.available_cores())
-    for name, cores in shares.items():
-        env[f"{name.upper()}_CPU_CORES"] = cores
-    if shares:
+    cores = cpu_policy.available_cores()
+    shares = cpu_policy.partition(free, cores)
+    if not shares:
+        return env
+    if mode == "static":
+        for name, share in shares.items():
+            env[f"{name.upper()}_CPU_CORES"] = share
         print("[tritonserver] cores per LLM model: " + ", ".join(f"{n} {c}" for n, c in shares.items())
               + f" (${PARTITION_ENV}=off or a model's cpu_cores / num_threads changes this)", file=sys.stderr,
               flush=True)
+        return env
+    path = cpu_policy.create_share_file(Path(share_dir or tempfile.mkdtemp(prefix="qwen3-cpu-")) / "busy", len(free))
+    for slot, name in enumerate(free):
+        env[f"{name.upper()}_CPU_SHARE"] = cpu_policy.format_share(path, slot, cores)
+    print(f"[tritonserver] cores {cpu_policy.format_cores(cores)} shared by the LLM models "
+          + ", ".join(free) + ": a model busy alone computes on all of them, busy ones split them ("
+          + ", ".join(f"{n} {c}" for n, c in shares.items())
+          + f"; ${PARTITION_ENV}=static fixes that split, =off or a model's cpu_cores / num_threads leaves "
+          "them to the models)", file=sys.stderr, flush=True)
     return env
 
 
@@ -413,9 +429,14 @@ def main(argv: list[str] | None = None) -> None:
     args, timeout = exit_timeout(list(sys.argv[1:] if argv is None else argv))
     exit_on_death = exit_on_engine_death()
     cmd, env = command(args)
-    env = cpu_partition(args, env)
-    sys.exit(supervise(cmd, env, kill_after=timeout + KILL_GRACE_S, exit_on_death=exit_on_death,
-                       endpoint=serving_endpoint(args), ready_within=ready_timeout()))
+    share_dir = tempfile.mkdtemp(prefix="qwen3-cpu-")
+    try:
+        env = cpu_partition(args, env, share_dir)
+        rc = supervise(cmd, env, kill_after=timeout + KILL_GRACE_S, exit_on_death=exit_on_death,
+                       endpoint=serving_endpoint(args), ready_within=ready_timeout())
+    finally:
+        shutil.rmtree(share_dir, ignore_errors=True)
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

@@ -1,1 +1,108 @@
-"""torch_npu kernel set for Ascend NPUs (issue 21): not written yet; `device: npu` runs the reference set."""
+"""The Ascend NPU kernel set: torch_npu's fused ops where one covers a slot, the reference elsewhere.
+
+  A8W8            npu_dynamic_quant (per-token int8 + fp32 scale) + npu_quant_matmul (int8 x int8 [K, N],
+                  per-channel scale, pertoken_scale), the pair vllm-ascend's W8A8 dynamic scheme uses
+  RMSNorm         npu_rms_norm / npu_add_rms_norm
+  SiLU-mul        npu_swiglu
+  KV write        _npu_reshape_and_cache, into this set's own layout: K and V [pages, page_size, KVH, D]
+  attention       npu_fused_infer_attention_score over the block table (TND queries, paged BSH keys and
+                  values, sparse_mode 3: causal aligned to the end of each sequence's context)
+  q/k-norm + RoPE, float linear, TurboQuant: the reference set (pure PyTorch, runs on an NPU)
+
+It has NOT run on an NPU. tests/test_kernels_npu.py runs it against emulations of each op written from
+torch_npu's documented semantics (tests/npu_emulation.py), so on an NPU only the numerics remain to check
+(the rounding of npu_dynamic_quant, the order of the two scale products: A8W8 is then within one rounding of
+the reference, not bit-exact as on the CPU and CUDA sets). Its attention takes host lists of lengths (the
+op's signature), so an NPU decode step syncs once per layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..contract import Kernels
+from ..reference import KERNELS as REFERENCE
+
+__all__ = ["kernel_set", "load"]
+
+# npu_fused_infer_attention_score with sparse_mode 3 takes this fixed upper-triangular mask (vllm-ascend's)
+MASK_SIZE = 2048
+
+
+def kv_shapes(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
+    if page_size % 16:
+        raise ValueError(f"kernels npu: page_size must be a multiple of 16 (paged attention), got {page_size}")
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return shape, shape
+
+
+def kernel_set(tnpu) -> Kernels:
+    """The set over a torch_npu-like module `tnpu` (torch_npu itself, or the tests' emulation)."""
+    masks: dict = {}
+
+    def a8w8_prepare(w_q, w_scale):
+        # x2 of npu_quant_matmul is [K, N]; on an NPU torch_npu.npu_format_cast(w, 29) (FRACTAL_NZ) is the
+        # faster form vllm-ascend uses, a layout change only
+        return w_q.t().contiguous(), w_scale.float().contiguous()
+
+    def a8w8_linear(x, prepared):
+        w_t, w_scale = prepared
+        shape = x.shape
+        q, s = tnpu.npu_dynamic_quant(x.reshape(-1, shape[-1]))
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        y = tnpu.npu_quant_matmul(q, w_t, w_scale, pertoken_scale=s, output_dtype=out_dtype)
+        return y.to(x.dtype).reshape(*shape[:-1], w_t.shape[1])
+
+    def rms_norm(x, weight, eps):
+        return tnpu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+    def add_rms_norm(x, residual, weight, eps):
+        y, _, h = tnpu.npu_add_rms_norm(x, residual, weight, epsilon=eps)
+        return y, h
+
+    def silu_mul(x):
+        return tnpu.npu_swiglu(x, dim=-1)
+
+    def write_kv(k, v, k_cache, v_cache, slot_mapping):
+        tnpu._npu_reshape_and_cache(key=k.to(k_cache.dtype), value=v.to(v_cache.dtype), key_cache=k_cache,
+                                    value_cache=v_cache, slot_indices=slot_mapping.to(torch.int32))
+
+    def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+        t, h, d = q.shape
+        pages, page_size, kvh, _ = k_cache.shape
+        if q.device not in masks:
+            masks[q.device] = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=q.device),
+                                         diagonal=1).bool()
+        out, _ = tnpu.npu_fused_infer_attention_score(
+            q, k_cache.view(pages, page_size, kvh * d), v_cache.view(pages, page_size, kvh * d),
+            atten_mask=masks[q.device], block_table=block_tables, input_layout="TND", block_size=page_size,
+            actual_seq_lengths=query_start_loc[1:].tolist(), actual_seq_lengths_kv=seq_lens.tolist(),
+            num_heads=h, num_key_value_heads=kvh, scale=float(scale), sparse_mode=3)
+        return out
+
+    return Kernels(
+        name="npu",
+        rms_norm=rms_norm,
+        add_rms_norm=add_rms_norm,
+        qk_norm_rope=REFERENCE.qk_norm_rope,
+        silu_mul=silu_mul,
+        a8w8_prepare=a8w8_prepare,
+        a8w8_linear=a8w8_linear,
+        w4a16_prepare=REFERENCE.w4a16_prepare,   # int4 weight-only: the reference (no torch_npu op used yet)
+        w4a16_linear=REFERENCE.w4a16_linear,
+        float_prepare=REFERENCE.float_prepare,
+        float_linear=REFERENCE.float_linear,
+        float_rows=REFERENCE.float_rows,
+        write_kv=write_kv,
+        paged_attention=paged_attention,
+        tq_write=REFERENCE.tq_write,
+        tq_paged_attention=REFERENCE.tq_paged_attention,
+        kv_shapes=kv_shapes,
+    )
+
+
+def load(device: torch.device) -> Kernels:
+    if device.type != "npu":
+        raise RuntimeError(f"kernels: 'npu' runs on Ascend NPUs, not on {device.type}")
+    import torch_npu
+
+    return kernel_set(torch_npu)

@@ -6,6 +6,7 @@
   attention.py  paged attention (prefill and decode), KV write, TurboQuant write / rotated-space attention
   ops.py        the kernels as torch custom ops with fake implementations
   kernel_set.py the `Kernels` set
+  aot.py        ahead-of-time compilation of every launched variant for a GPU target (no GPU needed)
 
 Needs the `triton` package (the `[cuda]` extra). With `TRITON_INTERPRET=1` (set before the first import) the
 same kernels run on CPU tensors through Triton's interpreter: how the CPU-only CI proves them.

@@ -1,17 +1,19 @@
 """Paged attention over block tables (prefill, chunked prefill and decode in one kernel), the KV writes, and
 TurboQuant: encode-and-write, attention in the rotated space, the row rotations.
 
-The caches keep the layout of kv_cache/ (K in blocks of KW keys, transposed; V row by row): every key is
-gathered through the block table with its own address, so any page size works and nothing is copied.
+Dense caches: this set's own layout, K and V row by row [pages, KVH, page_size, D] (kv_shapes); the kernels
+read the other sets' blocked K (KW keys transposed) as well. TurboQuant caches keep kv_cache/turboquant.py's
+layout. Every key is gathered through the block table with its own address, so any page size works and
+nothing is copied.
 
 Batch invariance and row identity. A program takes BLOCK_T query tokens of one sequence times the G query
-heads of one KV head (GQA: the K/V tile is read once for the group), and walks its keys in BLOCK_N blocks,
-grouped in SPLIT-key splits, both at fixed absolute positions from key 0. Each split runs its own online
-softmax and the splits merge in order (flash-decoding's partials, merged in the program; a parallel-split
-decode kernel merging the same partials in the same order gives the same bits). Keys past a row's own
-position (causal) or past the tile's last row are exact no-ops (p = 0, rescale by exp(0) = 1), so a row's
-result depends only on its position and its context: the same bits in a whole prompt, a chunk, a decode step
-or any batch. The tile shapes never depend on the batch.
+heads of one KV head (GQA: the K/V tile is read once for the group), and walks the keys in BLOCK_N blocks at
+fixed absolute positions from key 0 with one online softmax. Keys past a row's own position (causal) or past
+the tile's last row are exact no-ops (p = 0, rescale by exp(0) = 1), so a row's result depends only on its
+position and its context: the same bits in a whole prompt, a chunk, a decode step or any batch. The tile
+shapes never depend on the batch. Not done: flash-decoding's split of a long context over several programs
+(decode parallelism is sequences x KV heads); one must split at fixed absolute key positions, in prefill
+too, and merge in order, or rows stop being identical across prefill and decode.
 """
 from __future__ import annotations
 
@@ -21,10 +23,20 @@ import triton.language as tl
 
 from .common import INTERPRET, fdot, out_code, round_out
 
-# GPU: 16 query tokens x the group's heads per tile, 64-key blocks, 512-key splits. Interpreter: smaller, so
-# that tests on short contexts cross blocks, splits and pages.
-TILE = dict(BLOCK_T=4, BLOCK_N=16, SPLIT=32) if INTERPRET else dict(BLOCK_T=16, BLOCK_N=64, SPLIT=512)
-GPU_LAUNCH = {} if INTERPRET else dict(num_warps=4, num_stages=2)
+# Query rows per tile (BLOCK_T tokens x the group's heads, padded to a power of two; an MMA needs >= 16) and
+# keys per block (each key is gathered through the block table with its own address). Sized so that
+# no variant spills registers (tests/test_triton_aot.py). Interpreter: small, so that tests on short contexts
+# cross blocks and pages.
+ROWS = dict(dense=8, tq=8) if INTERPRET else dict(dense=16, tq=16)
+BLOCK_N = dict(dense=16, tq=16) if INTERPRET else dict(dense=32, tq=32)
+
+
+def tile(group: int, tq: bool) -> dict:
+    kind = "tq" if tq else "dense"
+    return dict(BLOCK_T=max(1, ROWS[kind] // triton.next_power_of_2(group)), BLOCK_N=BLOCK_N[kind])
+
+
+GPU_LAUNCH = {} if INTERPRET else dict(num_warps=8, num_stages=2)   # 4 warps spill on sm_80
 
 
 @triton.jit
@@ -48,8 +60,8 @@ def attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, cent_ptr, bt_pt
                      stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vs,
                      stride_sp, stride_sh, stride_bt,
                      G: tl.constexpr, GP: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, KW: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TQ: tl.constexpr,
-                     OUT: tl.constexpr, PD: tl.constexpr, INTERP: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, TQ: tl.constexpr,
+                     OUT: tl.constexpr, PD: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
     """Dense (TQ = False): K [P, KVH, S/KW, D, KW], V [P, KVH, S, D] in the model dtype.
     TQ: K codes [P, KVH, S/KW, D/2, KW], V codes [P, KVH, S, D/2] uint8 (nibble c | nibble c + D/2 << 4),
     scales [P, KVH, S] fp32, q already rotated (fp32), output in the rotated space (fp32).
@@ -78,67 +90,56 @@ def attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, cent_ptr, bt_pt
     last = tl.max(tl.where(row_ok, q_pos, -1), axis=0)
     hi = tl.where(n_q > t0, last + 1, 0)
 
-    m_tot = tl.full((BLOCK_T * GP,), float("-inf"), tl.float32)
-    l_tot = tl.zeros((BLOCK_T * GP,), tl.float32)
+    m = tl.full((BLOCK_T * GP,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_T * GP,), tl.float32)
     acc_a = tl.zeros((BLOCK_T * GP, HALF), tl.float32)
     acc_b = tl.zeros((BLOCK_T * GP, HALF), tl.float32)
-    for s0 in range(0, hi, SPLIT):
-        m = tl.full((BLOCK_T * GP,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_T * GP,), tl.float32)
-        sa = tl.zeros((BLOCK_T * GP, HALF), tl.float32)
-        sb = tl.zeros((BLOCK_T * GP, HALF), tl.float32)
-        for n0 in range(s0, tl.minimum(s0 + SPLIT, hi), BLOCK_N):
-            j = n0 + tl.arange(0, BLOCK_N)
-            j_ok = j < hi
-            page = tl.load(bt_ptr + bb * stride_bt + j // PAGE, mask=j_ok, other=0).to(tl.int64)
-            off = j % PAGE
-            kbase = k_ptr + page * stride_kp + kvh * stride_kh + (off // KW) * stride_kb + off % KW
-            vbase = v_ptr + page * stride_vp + kvh * stride_vh + off * stride_vs
-            if TQ:
-                kc = tl.load(kbase[None, :] + c[:, None] * KW, mask=j_ok[None, :], other=0).to(tl.int32)
-                ka = tl.load(cent_ptr + (kc & 15))
-                kb = tl.load(cent_ptr + (kc >> 4))
-                k_scale = tl.load(ks_ptr + page * stride_sp + kvh * stride_sh + off, mask=j_ok, other=0.0)
-                s = (fdot(qa, ka, INTERP, True) + fdot(qb, kb, INTERP, True)) * k_scale[None, :]
-            else:
-                ka = tl.load(kbase[None, :] + c[:, None] * KW, mask=j_ok[None, :], other=0.0)
-                kb = tl.load(kbase[None, :] + (c + HALF)[:, None] * KW, mask=j_ok[None, :], other=0.0)
-                s = fdot(qa, ka, INTERP, IEEE) + fdot(qb, kb, INTERP, IEEE)
-            s = s * sm_scale
-            visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :] & row_ok[:, None]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_use)
-            p = tl.exp(s - m_use[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            if TQ:
-                vc = tl.load(vbase[:, None] + c[None, :], mask=j_ok[:, None], other=0).to(tl.int32)
-                v_scale = tl.load(vs_ptr + page * stride_sp + kvh * stride_sh + off, mask=j_ok, other=0.0)
-                pv = p * v_scale[None, :]
-                sa = sa * alpha[:, None] + fdot(pv, tl.load(cent_ptr + (vc & 15)), INTERP, True)
-                sb = sb * alpha[:, None] + fdot(pv, tl.load(cent_ptr + (vc >> 4)), INTERP, True)
-            else:
-                va = tl.load(vbase[:, None] + c[None, :], mask=j_ok[:, None], other=0.0)
-                vb = tl.load(vbase[:, None] + (c + HALF)[None, :], mask=j_ok[:, None], other=0.0)
-                # p = p_hi + p_lo, both in V's dtype, for two 16-bit MMAs: p keeps ~16 bits (one 16-bit p
-                # would keep 8), each product is exact in the fp32 accumulator. fp32 V: one full-precision dot.
-                p_hi = round_out(p, PD)
+    for n0 in range(0, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        j_ok = j < hi
+        page = tl.load(bt_ptr + bb * stride_bt + j // PAGE, mask=j_ok, other=0).to(tl.int64)
+        off = j % PAGE
+        kbase = k_ptr + page * stride_kp + kvh * stride_kh + (off // KW) * stride_kb + off % KW
+        vbase = v_ptr + page * stride_vp + kvh * stride_vh + off * stride_vs
+        if TQ:
+            kc = tl.load(kbase[None, :] + c[:, None] * KW, mask=j_ok[None, :], other=0).to(tl.int32)
+            k_scale = tl.load(ks_ptr + page * stride_sp + kvh * stride_sh + off, mask=j_ok, other=0.0)
+            s = fdot(qa, tl.load(cent_ptr + (kc & 15)), INTERP, 2) + fdot(qb, tl.load(cent_ptr + (kc >> 4)), INTERP, 2)
+            s = s * k_scale[None, :]
+        else:
+            ka = tl.load(kbase[None, :] + c[:, None] * KW, mask=j_ok[None, :], other=0.0)
+            kb = tl.load(kbase[None, :] + (c + HALF)[:, None] * KW, mask=j_ok[None, :], other=0.0)
+            s = fdot(qa, ka, INTERP, PREC) + fdot(qb, kb, INTERP, PREC)
+        s = s * sm_scale
+        visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc_a = acc_a * alpha[:, None]
+        acc_b = acc_b * alpha[:, None]
+        if TQ:
+            vc = tl.load(vbase[:, None] + c[None, :], mask=j_ok[:, None], other=0).to(tl.int32)
+            v_scale = tl.load(vs_ptr + page * stride_sp + kvh * stride_sh + off, mask=j_ok, other=0.0)
+            pv = p * v_scale[None, :]
+            acc_a += fdot(pv, tl.load(cent_ptr + (vc & 15)), INTERP, 2)
+            acc_b += fdot(pv, tl.load(cent_ptr + (vc >> 4)), INTERP, 2)
+        else:
+            va = tl.load(vbase[:, None] + c[None, :], mask=j_ok[:, None], other=0.0)
+            vb = tl.load(vbase[:, None] + (c + HALF)[None, :], mask=j_ok[:, None], other=0.0)
+            # p = p_hi + p_lo, both in V's dtype, for two 16-bit MMAs: p keeps ~16 bits (one 16-bit p would
+            # keep 8) and each product is exact in the fp32 accumulator. fp32 V: one full-precision dot.
+            p_hi = round_out(p, PD)
+            acc_a += fdot(p_hi, va, INTERP, PREC)
+            acc_b += fdot(p_hi, vb, INTERP, PREC)
+            if PD != 0:
                 p_lo = round_out(p - p_hi.to(tl.float32), PD)
-                sa = sa * alpha[:, None] + fdot(p_hi, va, INTERP, IEEE)
-                sb = sb * alpha[:, None] + fdot(p_hi, vb, INTERP, IEEE)
-                if PD != 0:
-                    sa += fdot(p_lo, va, INTERP, IEEE)
-                    sb += fdot(p_lo, vb, INTERP, IEEE)
-            m = m_new
-        big = tl.maximum(m_tot, m)
-        big_use = tl.where(big == float("-inf"), 0.0, big)
-        a_tot = tl.exp(m_tot - big_use)
-        a_s = tl.exp(m - big_use)
-        l_tot = l_tot * a_tot + l * a_s
-        acc_a = acc_a * a_tot[:, None] + sa * a_s[:, None]
-        acc_b = acc_b * a_tot[:, None] + sb * a_s[:, None]
-        m_tot = big
+                acc_a += fdot(p_lo, va, INTERP, PREC)
+                acc_b += fdot(p_lo, vb, INTERP, PREC)
+        m = m_new
+    l_tot = l
     inv = 1.0 / tl.where(l_tot > 0, l_tot, 1.0)
     o_rows = o_ptr + (q_lo + t)[:, None] * stride_ot + head[:, None] * stride_oh + c[None, :]
     tl.store(o_rows, round_out(acc_a * inv[:, None], OUT), mask=row_ok[:, None])
@@ -149,12 +150,12 @@ def _launch(q, out, k, v, ks, vs, cent, block_tables, query_start_loc, seq_lens,
     t, h, d = q.shape
     kvh = k.shape[1]
     page = v.shape[2]
-    kw = k.shape[-1]
+    kw = key_width(k)
     g = h // kvh
     b = block_tables.shape[0]
     if t == 0 or b == 0:
         return out
-    cfg = TILE
+    cfg = tile(g, tq)
     # an upper bound of the tiles, from shapes only: sum_b ceil(n_b / BLOCK_T) <= ceil(T / BLOCK_T) + B
     grid = (triton.cdiv(t, cfg["BLOCK_T"]) + b, kvh)
     dummy = seq_lens
@@ -165,9 +166,21 @@ def _launch(q, out, k, v, ks, vs, cent, block_tables, query_start_loc, seq_lens,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         ks.stride(0) if tq else 0, ks.stride(1) if tq else 0, block_tables.stride(0),
         G=g, GP=triton.next_power_of_2(g), HALF=d // 2, PAGE=page, KW=kw, TQ=tq, OUT=out_code(out.dtype),
-        PD=out_code(v.dtype) if not tq else 0, INTERP=INTERPRET, IEEE=q.dtype == torch.float32, **cfg,
+        PD=out_code(v.dtype) if not tq else 0, INTERP=INTERPRET, PREC=int(q.dtype == torch.float32), **cfg,
         **GPU_LAUNCH)
     return out
+
+
+def kv_shapes(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
+    """This set's dense layout: K and V row by row, [pages, KVH, page_size, D] (a key's D values contiguous:
+    coalesced loads). The kernels also read the blocked layout of the other sets (5-D K), as the tests do."""
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    return shape, shape
+
+
+def key_width(k_cache) -> int:
+    """Keys per transposed block: the last dim of a blocked 5-D K, 1 for row-by-row K (stride(2) is a row)."""
+    return k_cache.shape[-1] if k_cache.dim() == 5 else 1
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
@@ -202,7 +215,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     v = v.to(v_cache.dtype)
     write_kv_kernel[(t, kvh)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
                               v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-                              v_cache.stride(1), v_cache.stride(2), D=d, PAGE=v_cache.shape[2], KW=k_cache.shape[-1])
+                              v_cache.stride(1), v_cache.stride(2), D=d, PAGE=v_cache.shape[2], KW=key_width(k_cache))
 
 
 # ----- TurboQuant -------------------------------------------------------------------------------------------
@@ -220,7 +233,7 @@ def rotate_kernel(x_ptr, r_ptr, y_ptr, M, stride_xm, stride_ym, stride_r0, strid
     for k0 in range(0, D, BLOCK_K):
         xt = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
         rt = tl.load(r_ptr + (k0 + rk)[:, None] * stride_r0 + cols[None, :] * stride_r1)
-        acc += fdot(xt, rt, INTERP, True)
+        acc += fdot(xt, rt, INTERP, 1)
     tl.store(y_ptr + rm[:, None] * stride_ym + cols[None, :], round_out(acc, OUT), mask=m_ok[:, None])
 
 

@@ -48,11 +48,14 @@ def round_out(x, OUT: tl.constexpr):
 
 
 @triton.jit
-def fdot(a, b, INTERP: tl.constexpr, IEEE: tl.constexpr):
-    """[M, K] x [K, N] -> fp32 [M, N], fp32 accumulation. IEEE: fp32 operands at full precision (no TF32)."""
+def fdot(a, b, INTERP: tl.constexpr, PREC: tl.constexpr):
+    """[M, K] x [K, N] -> fp32 [M, N], fp32 accumulation. PREC (fp32 operands): 0 the operands' own MMA
+    (bf16 / fp16), 1 full fp32 ("ieee"), 2 three TF32 MMAs ("tf32x3", ~fp32 at MMA speed)."""
     if INTERP:
         return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    elif IEEE:
+    elif PREC == 1:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif PREC == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
     else:
         return tl.dot(a, b)

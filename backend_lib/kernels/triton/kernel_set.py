@@ -4,12 +4,15 @@ from __future__ import annotations
 from .. import reference
 from ..contract import Kernels
 from . import ops
+from .attention import kv_shapes
 
 
 def _qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads, num_kv_heads, eps):
     q, k = ops.qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads, num_kv_heads, eps)
     d = cos_sin.shape[1]
-    v = qkv[:, (num_heads + num_kv_heads) * d:].reshape(qkv.shape[0], num_kv_heads, d)   # a view, as the reference
+    # a view, as the reference's; narrow rather than [:, a:], which fake CUDA tensors of a CPU-only torch
+    # (tests/test_no_host_sync.py) cannot index
+    v = qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).reshape(qkv.shape[0], num_kv_heads, d)
     return q, k, v
 
 
@@ -32,4 +35,5 @@ KERNELS = Kernels(
     paged_attention=ops.paged_attention,
     tq_write=ops.tq_write,
     tq_paged_attention=ops.tq_paged_attention,
+    kv_shapes=kv_shapes,
 )

@@ -21,7 +21,8 @@ from .common import INTERPRET, fdot, out_code, rne, round_out
 
 @triton.jit
 def a8w8_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT: tl.constexpr,
+                EVEN_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -29,35 +30,50 @@ def a8w8_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
+    # rows / columns past the edge read row M-1 / column N-1 (never stored): no mask on the M, N edges
+    rm_c = tl.minimum(rm, M - 1)
+    rn_c = tl.minimum(rn, N - 1)
+    x_ptrs = x_ptr + rm_c[:, None] * stride_xm + rk[None, :]
     amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + rk) < K
-        xt = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                     other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(xt), axis=1))
+        if EVEN_K:
+            xt = tl.load(x_ptrs + k0)
+        else:
+            xt = tl.load(x_ptrs + k0, mask=(k0 + rk)[None, :] < K, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(xt.to(tl.float32)), axis=1))
     s = tl.where(amax > 0, tl.div_rn(amax, tl.full((BLOCK_M,), 127.0, tl.float32)), 1.0)
+    w_ptrs = w_ptr + rn_c[None, :] * K + rk[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + rk) < K
-        xt = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                     other=0.0).to(tl.float32)
-        q = rne(tl.div_rn(xt, s[:, None]))
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+            wt = tl.load(w_ptrs)
+        else:
+            xt = tl.load(x_ptrs, mask=(k0 + rk)[None, :] < K, other=0.0)
+            wt = tl.load(w_ptrs, mask=(k0 + rk)[:, None] < K, other=0)
+        q = rne(tl.div_rn(xt.to(tl.float32), s[:, None]))
         q = tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int8)
-        wt = tl.load(w_ptr + rn[None, :] * K + (k0 + rk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0)
         acc += tl.dot(q, wt, out_dtype=tl.int32)
-    ws = tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    ws = tl.load(ws_ptr + rn_c)
     y = (acc.to(tl.float32) * s[:, None]) * ws[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], round_out(y, OUT), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def a8w8_config(m: int) -> dict:
+    """The quantization runs in registers on each [BLOCK_M, BLOCK_K] tile, so BLOCK_M * BLOCK_K stays small
+    enough for no register spills (tests/test_triton_aot.py compiles each for sm_90 and sm_80)."""
     if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64)
-    if m <= 16:      # decode: a GEMV in 16-row MMA tiles, bandwidth bound
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    if m <= 16:      # decode: a GEMV in 16-row MMA tiles, bandwidth bound; narrow N tiles for more programs
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
+
+
+A8W8_BUCKETS = (1, 17, 65)     # an M of each a8w8_config branch (the AOT test compiles every one)
 
 
 def a8w8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -72,14 +88,15 @@ def a8w8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> to
     if m:
         cfg = a8w8_config(m)
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-        a8w8_kernel[grid](x2, w_q, w_scale, y, m, n, k, x2.stride(0), y.stride(0), OUT=out_code(x.dtype), **cfg)
+        a8w8_kernel[grid](x2, w_q, w_scale, y, m, n, k, x2.stride(0), y.stride(0), OUT=out_code(x.dtype),
+                           EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg)
     return y.reshape(*shape[:-1], n)
 
 
 @triton.jit
 def float_linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT: tl.constexpr,
-                        INTERP: tl.constexpr, IEEE: tl.constexpr):
+                        INTERP: tl.constexpr, PREC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,7 +110,7 @@ def float_linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
         xt = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
                      other=0.0)
         wt = tl.load(w_ptr + rn[None, :] * K + (k0 + rk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += fdot(xt, wt, INTERP, IEEE)
+        acc += fdot(xt, wt, INTERP, PREC)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], round_out(acc, OUT), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -115,7 +132,7 @@ def float_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None
     if m:
         cfg = FLOAT_CONFIG
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+        full = torch.float32 in (x2.dtype, w.dtype) or x2.dtype != w.dtype    # fp32 operands: no TF32
         float_linear_kernel[grid](x2, w, y, m, n, k, x2.stride(0), y.stride(0), OUT=out_code(out_dtype),
-                                  INTERP=INTERPRET, IEEE=torch.float32 in (x2.dtype, w.dtype) or x2.dtype != w.dtype,
-                                  **cfg)
+                                  INTERP=INTERPRET, PREC=int(full), **cfg)
     return y.reshape(*shape[:-1], n)

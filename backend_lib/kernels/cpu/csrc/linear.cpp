@@ -229,7 +229,11 @@ inline int64_t k_align(const at::Tensor& w) { return w.scalar_type() == at::kBFl
 template <typename XT, typename WT, typename OT>
 void linear_impl(const XT* x, int64_t Kp, const WT* wp, OT* y, int64_t M, int64_t N) {
   const int64_t NP = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+  // panels handed out in chunks (common.h), as the A8W8 GEMM does: a thread slowed by the host (the lm_head
+  // GEMV of a decode step is the largest read of the step) takes fewer panels instead of holding up the other
+  // at the barrier of a static split; each panel's outputs are computed the same way either way
+  const int64_t chunk = std::max<int64_t>(1, NP / (8 * at::get_num_threads()));
+  parallel_chunks(NP, chunk, [&](int64_t p0, int64_t p1) {
     alignas(64) float acc[kMaxRows * kPanel];
     for (int64_t p = p0; p < p1; ++p) {
       const WT* panel = wp + p * Kp * kPanel;

@@ -1,0 +1,191 @@
+"""Ahead-of-time compilation of every kernel variant the engine launches, for a GPU target, on any machine.
+
+`triton.compile` with a `GPUTarget` builds PTX and a cubin with no GPU present; the bundled ptxas (-v) reports
+registers and spill bytes; the compiled metadata the shared memory. Variants: the launch configurations of
+linear.py / norm.py / attention.py (imported with TRITON_INTERPRET unset, so they are the GPU ones) at the
+shapes of Qwen3-0.6B, 8B and 14B (GQA groups 2, 4, 5) in bf16 with the default page size, dense and TurboQuant KV.
+
+    python -m backend_lib.kernels.triton.aot [--arch 90 --arch 80] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+# sm_80 / sm_90: the most dynamic shared memory one block may use
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+# Qwen3-0.6B and Qwen3-8B: hidden, heads, kv heads, head_dim, intermediate
+SHAPES = {"0.6b": (1024, 16, 8, 128, 3072), "8b": (4096, 32, 8, 128, 12288), "14b": (5120, 40, 8, 128, 17408)}
+PAGE = 128
+
+
+@dataclass
+class Variant:
+    kernel: str                      # module.function
+    signature: dict
+    constexprs: dict
+    options: dict = field(default_factory=dict)
+    label: str = ""
+
+
+def _sig(names, types: dict, constexprs: dict) -> dict:
+    """Signature in argument order: constexprs marked, the rest from types (default i32)."""
+    return {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in names}
+
+
+def variants() -> list[Variant]:
+    os.environ.pop("TRITON_INTERPRET", None)
+    from ...kv_cache.layout import key_block_width
+    from . import attention, linear, norm
+
+    out: list[Variant] = []
+
+    def add(fn, types, constexprs, options, label):
+        opts = {k: options[k] for k in ("num_warps", "num_stages") if k in options}
+        ce = {k: v for k, v in constexprs.items() if k not in ("num_warps", "num_stages")}
+        out.append(Variant(f"{fn.__module__}.{fn.__name__}", _sig(fn.arg_names, types, ce), ce, opts, label))
+
+    bf = "*bf16"
+    for m in linear.A8W8_BUCKETS:
+        cfg = linear.a8w8_config(m)
+        for even in (True, False):
+            add(linear.a8w8_kernel, {"x_ptr": bf, "w_ptr": "*i8", "ws_ptr": "*fp32", "y_ptr": bf},
+                {**cfg, "OUT": 1, "EVEN_K": even}, cfg, f"a8w8 M={m} even_k={even}")
+    for out_dtype, code in (("bf16", 1), ("fp32", 0)):     # the layers and the fp32 logits of lm_head
+        cfg = linear.FLOAT_CONFIG
+        add(linear.float_linear_kernel, {"x_ptr": bf, "w_ptr": bf, "y_ptr": f"*{out_dtype}"},
+            {**cfg, "OUT": code, "INTERP": False, "PREC": 0}, cfg, f"float_linear out={out_dtype}")
+    seen = set()
+    for name, (hid, h, kvh, d, inter) in SHAPES.items():
+        import triton
+
+        for add_ in (False, True):
+            key = ("rms", hid, add_)
+            if key not in seen:
+                seen.add(key)
+                add(norm.rms_norm_kernel, {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "y_ptr": bf, "h_ptr": bf,
+                                           "eps": "fp32"},
+                    {"BLOCK": triton.next_power_of_2(hid), "ADD": add_, "XD": 1, "OUT": 1},
+                    norm.row_warps(triton.next_power_of_2(hid)), f"rms_norm {name} add={add_}")
+        if ("qk", d) not in seen:
+            seen.add(("qk", d))
+            add(norm.qk_norm_rope_kernel, {"qkv_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
+                                           "cs_ptr": "*fp32", "q_ptr": bf, "k_ptr": bf, "eps": "fp32"},
+                {"D": d, "HALF": d // 2, "XD": 1}, {}, "qk_norm_rope")
+            add(norm.silu_mul_kernel, {"x_ptr": bf, "y_ptr": bf}, {"BLOCK": 1024, "XD": 1}, {}, "silu_mul")
+            add(attention.write_kv_kernel, {"k_ptr": bf, "v_ptr": bf, "kc_ptr": bf, "vc_ptr": bf,
+                                            "slot_ptr": "*i64"},
+                {"D": d, "PAGE": PAGE, "KW": 1}, {}, "write_kv")      # the set's own row-by-row layout
+            for o, code in (("fp32", 0), ("bf16", 1)):
+                add(attention.rotate_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32", "y_ptr": f"*{o}"},
+                    {"D": d, "BLOCK_M": 16, "BLOCK_K": min(d, 32), "OUT": code, "INTERP": False}, {},
+                    f"tq rotate out={o}")
+            for cb in (key_block_width(PAGE), 1):
+                add(attention.tq_write_kernel, {"x_ptr": bf, "codes_ptr": "*u8", "scales_ptr": "*fp32",
+                                                "slot_ptr": "*i64", "r_ptr": "*fp32", "cent_ptr": "*fp32",
+                                                "bnd_ptr": "*fp32"},
+                    {"HALF": d // 2, "PAGE": PAGE, "KW": key_block_width(PAGE), "CB": cb}, {}, f"tq_write cb={cb}")
+        g = h // kvh
+        for tq in (False, True):
+            if ("att", g, tq) in seen:
+                continue
+            seen.add(("att", g, tq))
+            kv = "*u8" if tq else bf
+            add(attention.attention_kernel,
+                {"q_ptr": "*fp32" if tq else bf, "o_ptr": "*fp32" if tq else bf, "k_ptr": kv, "v_ptr": kv,
+                 "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cent_ptr": "*fp32", "bt_ptr": "*i32", "qsl_ptr": "*i32",
+                 "lens_ptr": "*i32", "sm_scale": "fp32"},
+                {"G": g, "GP": triton.next_power_of_2(g), "HALF": d // 2, "PAGE": PAGE,
+                 "KW": key_block_width(PAGE) if tq else 1,   # TQ codes blocked; dense K row by row
+                 "TQ": tq, "OUT": 0 if tq else 1, "PD": 0 if tq else 1, "INTERP": False, "PREC": 0,
+                 **attention.tile(g, tq)}, attention.GPU_LAUNCH, f"attention {'tq' if tq else 'bf16'} group={g}")
+    return out
+
+
+def _ptxas() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_variant(v: Variant, arch: int) -> dict:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    mod, _, name = v.kernel.rpartition(".")
+    fn = getattr(importlib.import_module(mod), name)
+    k = triton.compile(ASTSource(fn=fn, signature=v.signature, constexprs=v.constexprs),
+                       target=GPUTarget("cuda", arch, 32), options=v.options)
+    ptx = k.asm["ptx"]
+    # the bundled ptxas, verbose, on the same PTX for the same target: registers and spill bytes
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(ptx)
+        f.flush()
+        gpu = re.search(r"^\.target (\S+)", ptx, re.M).group(1)
+        info = subprocess.run([_ptxas(), "--gpu-name", gpu, "-v", f.name, "-o", os.devnull], capture_output=True,
+                              text=True, check=True)
+    text = info.stdout + info.stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {"kernel": name, "label": v.label, "arch": arch, "options": v.options,
+            "registers": int(re.search(r"Used (\d+) registers", text).group(1)),
+            "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
+            "shared": k.metadata.shared, "shared_limit": SHARED_LIMIT[arch],
+            "mma": sorted(set(re.findall(r"\b((?:wgmma\.mma_async|mma\.sync)\.[\w.]+)", ptx)))}
+
+
+def _one(args):
+    os.environ.pop("TRITON_INTERPRET", None)
+    v, arch = args
+    return compile_variant(v, arch)
+
+
+def compile_all(archs=(90, 80), workers: int = 2) -> list[dict]:
+    jobs = [(v, a) for a in archs for v in variants()]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(_one, jobs))
+
+
+def problems(results: list[dict]) -> list[str]:
+    bad = []
+    for r in results:
+        where = f"{r['label']} sm_{r['arch']}"
+        if r["spill_stores"] or r["spill_loads"]:
+            bad.append(f"{where}: register spills ({r['spill_stores']} bytes stored, {r['spill_loads']} loaded)")
+        if r["shared"] > r["shared_limit"]:
+            bad.append(f"{where}: {r['shared']} bytes of shared memory > {r['shared_limit']}")
+        if r["kernel"] == "a8w8_kernel" and not any(".s8" in i for i in r["mma"]):
+            bad.append(f"{where}: the int8 GEMM uses no int8 MMA instruction")
+    return bad
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, action="append", help="compute capability x10 (default 90 and 80)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    results = compile_all(tuple(args.arch or (90, 80)), args.workers)
+    bad = problems(results)
+    if args.json:
+        print(json.dumps({"results": results, "problems": bad}))
+    else:
+        for r in results:
+            print(f"{r['label']:<36} sm_{r['arch']} regs {r['registers']:>3} spills {r['spill_stores']:>4} "
+                  f"shared {r['shared']:>6} {' '.join(r['mma'])[:60]}")
+        for b in bad:
+            print("PROBLEM:", b)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

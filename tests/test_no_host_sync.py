@@ -1,0 +1,93 @@
+"""A decode step's glue never reads a device value on the host: ModelRunner.decode_logits (metadata built on
+the device from the block tables and cached lengths, embedding, every layer, the KV cache, the logits) runs
+under FakeTensorMode on device="cuda" tensors with the Triton kernel set (custom ops with fake
+implementations). Any .tolist(), .item() or data-dependent shape raises there; the reference attention (which
+loops over sequences on the host) does, the control that the check bites."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+pytest.importorskip("triton", reason="the triton package is not installed (pip install -e '.[test]')")
+
+from backend_lib.checkpoint import ModelConfig, parse_quantization_config  # noqa: E402
+from backend_lib.config import EngineConfig  # noqa: E402
+from backend_lib.engine.model_runner import ModelRunner  # noqa: E402
+from backend_lib.kernels import REFERENCE  # noqa: E402
+from backend_lib.kernels.triton.kernel_set import KERNELS as TRITON  # noqa: E402
+from backend_lib.kv_cache.metadata import AttentionMetadata  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def _fake_cuda(obj, mode: FakeTensorMode, seen: set):
+    """The same object graph with every tensor replaced by a fake CUDA tensor of its shape, strides and dtype
+    (a CPU-only torch cannot .to('cuda'), even fake; it can create fake CUDA tensors)."""
+    if isinstance(obj, torch.Tensor):
+        with mode:
+            t = torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device=CUDA)
+        return nn.Parameter(t, requires_grad=False) if isinstance(obj, nn.Parameter) else t
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fake_cuda(x, mode, seen) for x in obj)
+    ours = isinstance(obj, nn.Module) or type(obj).__module__.startswith("backend_lib")
+    if id(obj) in seen or not ours:
+        return obj
+    seen.add(id(obj))
+    if isinstance(obj, nn.Module):
+        for store in (obj._parameters, obj._buffers, obj._modules):
+            for k, v in store.items():
+                store[k] = _fake_cuda(v, mode, seen)
+    for k, v in list(vars(obj).items()):
+        if not k.startswith("_"):
+            vars(obj)[k] = _fake_cuda(v, mode, seen)
+    return obj
+
+
+def _runner(ckpt, kernels, kv_cache):
+    cfg = EngineConfig(checkpoint=str(ckpt), page_size=16, kv_cache_memory="4MiB", max_num_seqs=4, kv_cache=kv_cache)
+    mc = ModelConfig.from_dir(str(ckpt))
+    runner = ModelRunner(cfg, mc, parse_quantization_config(mc.quantization_config), torch.device("cpu"),
+                         torch.bfloat16, kernels, 256)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    _fake_cuda(runner.model, mode, set())
+    _fake_cuda(runner.kv_cache, mode, set())
+    runner.device = CUDA
+    return runner, mode
+
+
+def _decode(runner, mode):
+    with mode, torch.no_grad():   # (inference_mode + fake CUDA tensors: slicing fails on a CPU-only torch)
+        ids = torch.tensor([5, 6, 7], device=CUDA)
+        tables = torch.tensor([[0, 1], [2, 3], [4, 0]], dtype=torch.int32, device=CUDA)
+        cached = torch.tensor([17, 3, 9], dtype=torch.int32, device=CUDA)
+        return runner.decode_logits(ids, tables, cached)
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "tq"])
+def test_a_decode_step_with_the_triton_kernels_never_syncs(a8w8_ckpt, kv_cache):
+    runner, mode = _runner(a8w8_ckpt, TRITON, kv_cache)
+    assert all(p.device.type == "cuda" for p in runner.model.parameters())
+    logits = _decode(runner, mode)
+    assert logits.device.type == "cuda" and logits.dtype == torch.float32
+    assert tuple(logits.shape) == (3, runner.model.cfg.vocab_size)
+
+
+def test_the_check_catches_a_host_sync(a8w8_ckpt):
+    """The Triton set with the reference's attention, which reads query_start_loc and seq_lens on the host."""
+    runner, mode = _runner(a8w8_ckpt, replace(TRITON, paged_attention=REFERENCE.paged_attention), "bf16")
+    with pytest.raises(DataDependentOutputException):
+        _decode(runner, mode)
+
+
+def test_device_decode_metadata_equals_the_host_construction():
+    tables = torch.tensor([[3, 1, 0], [2, 5, 4]], dtype=torch.int32)
+    cached = torch.tensor([17, 40], dtype=torch.int32)
+    meta, positions = AttentionMetadata.for_decode(tables, cached, 16)
+    assert positions.tolist() == [17, 40]
+    assert meta.slot_mapping.tolist() == [1 * 16 + 1, 4 * 16 + 8]
+    assert meta.query_start_loc.tolist() == [0, 1, 2] and meta.seq_lens.tolist() == [18, 41]
+    assert meta.slot_mapping.dtype == torch.int64 and meta.seq_lens.dtype == torch.int32

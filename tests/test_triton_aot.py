@@ -1,0 +1,59 @@
+"""Ahead-of-time compilation of every Triton kernel variant the engine launches, for sm_90 and sm_80, on this
+CPU-only machine: no register spills, shared memory within the limit, int8 MMA in the A8W8 GEMM."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="the triton package is not installed (pip install -e '.[test]')")
+
+from helpers import ROOT  # noqa: E402
+
+LAUNCHED = {"a8w8_kernel", "float_linear_kernel", "rms_norm_kernel", "qk_norm_rope_kernel", "silu_mul_kernel",
+            "write_kv_kernel", "attention_kernel", "rotate_kernel", "tq_write_kernel"}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}    # the GPU code path, not numpy
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-m", "backend_lib.kernels.triton.aot", "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.stdout, proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_launched_kernel_compiles_for_sm90_and_sm80_without_spills_or_excess_shared_memory(compiled):
+    rc, out = compiled
+    assert out["problems"] == [] and rc == 0, out["problems"]
+    results = out["results"]
+    for arch in (90, 80):
+        assert {r["kernel"] for r in results if r["arch"] == arch} == LAUNCHED
+    assert all(r["registers"] <= 255 and r["spill_stores"] == 0 and r["shared"] <= r["shared_limit"]
+               for r in results)
+    labels = {r["label"] for r in results}
+    assert {"attention bf16 group=2", "attention tq group=4", "a8w8 M=1 even_k=True", "a8w8 M=65 even_k=True"} <= labels
+
+
+def test_the_int8_gemm_uses_int8_mma_and_wgmma_on_hopper(compiled):
+    results = compiled[1]["results"]
+    gemm = [r for r in results if r["kernel"] == "a8w8_kernel"]
+    assert gemm and all(any(".s8.s8" in i for i in r["mma"]) for r in gemm)
+    assert any(i.startswith("wgmma") for r in gemm if r["arch"] == 90 for i in r["mma"])   # the prefill tiles
+    assert not any(i.startswith("wgmma") for r in gemm if r["arch"] == 80 for i in r["mma"])
+    assert all(any("bf16" in i for i in r["mma"]) for r in results if r["kernel"] == "float_linear_kernel")
+
+
+def test_the_checks_catch_spills_shared_memory_and_a_gemm_without_mma():
+    from backend_lib.kernels.triton.aot import problems
+
+    ok = {"kernel": "a8w8_kernel", "label": "a8w8", "arch": 90, "spill_stores": 0, "spill_loads": 0,
+          "shared": 1024, "shared_limit": 232448, "mma": ["mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32"]}
+    assert problems([ok]) == []
+    assert len(problems([{**ok, "spill_stores": 4}])) == 1
+    assert len(problems([{**ok, "shared": 300_000}])) == 1
+    assert len(problems([{**ok, "mma": ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"]}])) == 1
