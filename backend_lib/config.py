@@ -36,6 +36,12 @@ class EngineConfig:
     cpu_cores: str | None = None           # '0-3,6': the cores this engine computes on (cpu_policy.py)
     cpu_share: str | None = None           # set by the launcher: the cores shared with the other LLM models
     fault_injection: str | None = None     # test hook: "every:N" raises inside every Nth model step
+    # LoRA adapters (docs/lora.md): on with enable_lora, or when lora_modules names adapters
+    enable_lora: bool = False
+    max_loras: int = 4                     # adapters resident at once (least recently used evicted)
+    max_lora_rank: int = 16                # adapters of a higher rank are refused
+    lora_modules: str | dict | None = None  # name=path pairs, or a JSON object {name: path}; + multi_lora.json
+    allow_runtime_lora: bool = False       # requests may carry lora_path (an adapter loaded on first use)
     limits: SamplingLimits = field(default_factory=SamplingLimits)
 
     @classmethod
@@ -53,15 +59,15 @@ class EngineConfig:
             else:
                 raise ValueError(f"parameter {key!r} is not known (known: {', '.join(sorted(known | limit_names))})")
         for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens", "tq_seed",
-                    "max_model_len", "num_threads", "max_waiting_requests"):
+                    "max_model_len", "num_threads", "max_waiting_requests", "max_loras", "max_lora_rank"):
             if key in kwargs and kwargs[key] not in (None, ""):
                 kwargs[key] = _to_int(key, kwargs[key])
             elif key in kwargs:
                 kwargs.pop(key)
-        for key in ("enable_prefix_caching", "cuda_graphs"):
+        for key in ("enable_prefix_caching", "cuda_graphs", "enable_lora", "allow_runtime_lora"):
             if key in kwargs:
                 kwargs[key] = _to_bool(key, kwargs[key])
-        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores", "cpu_share"):
+        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores", "cpu_share", "lora_modules"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
@@ -76,7 +82,16 @@ class EngineConfig:
         self.checkpoint = resolve(self.checkpoint, "checkpoint", base_dir)
         if self.tokenizer:
             self.tokenizer = resolve(self.tokenizer, "tokenizer", base_dir)
+        if self.lora_modules:
+            from .lora.registry import parse_lora_modules
+
+            self.lora_modules = {name: resolve(path, f"lora_modules.{name}", base_dir)
+                                 for name, path in parse_lora_modules(self.lora_modules).items()}
         return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.enable_lora or self.lora_modules or self.allow_runtime_lora)
 
     def validate(self) -> "EngineConfig":
         if not self.checkpoint:
@@ -106,6 +121,13 @@ class EngineConfig:
             parse_share(self.cpu_share)
         if self.fault_injection:
             fault_every(self.fault_injection)
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.lora_modules:
+            from .lora.registry import parse_lora_modules
+
+            parse_lora_modules(self.lora_modules)
         return self
 
     @classmethod

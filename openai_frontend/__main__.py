@@ -1,5 +1,6 @@
 """python -m openai_frontend [--triton-url localhost:8001] [--host 127.0.0.1] [--port 9000] [--api-key KEY]
-[--reasoning-parser qwen3|none] [--responses-store-count N] [--responses-store-mib MIB]"""
+[--reasoning-parser qwen3|none] [--responses-store-count N] [--responses-store-mib MIB]
+[--lora-modules name=path ...] [--lora-base-model MODEL]"""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import sys
 
 import uvicorn
 
+from backend_lib.sampling.errors import RequestError
 from .app import create_app
 from .responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
 
@@ -29,6 +31,11 @@ def main(argv=None) -> int:
                     help="/v1/responses: most responses kept for GET and previous_response_id (oldest evicted)")
     ap.add_argument("--responses-store-mib", type=float, default=DEFAULT_MAX_BYTES / 2**20,
                     help="/v1/responses: most MiB of stored responses (oldest evicted)")
+    ap.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="LoRA adapters served as models: name=path or a JSON object {name, path, base_model_name} "
+                         "(docs/lora.md); the parent model needs allow_runtime_lora")
+    ap.add_argument("--lora-base-model", default=None,
+                    help="the Triton LLM model adapters run on when they name none (default: the first one listed)")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--shutdown-timeout", type=float, default=3.0,
                     help="seconds a stop signal waits for open responses (after aborting their Triton streams)")
@@ -41,8 +48,14 @@ def main(argv=None) -> int:
     if args.responses_store_count < 0 or args.responses_store_mib < 0:
         ap.error("--responses-store-count and --responses-store-mib must be >= 0")
     store = ResponseStore(args.responses_store_count, int(args.responses_store_mib * 2**20))
+    from .lora import LoraAdapters, parse_lora_modules_arg
+
+    try:
+        loras = LoraAdapters(parse_lora_modules_arg(args.lora_modules), args.lora_base_model)
+    except (ValueError, RequestError) as exc:
+        ap.error(str(exc))
     app = create_app(args.triton_url, api_key=args.api_key, tokenizer=tokenizer,
-                     reasoning=args.reasoning_parser == "qwen3", responses_store=store)
+                     reasoning=args.reasoning_parser == "qwen3", responses_store=store, loras=loras)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     BoundedShutdownServer(config, app.state.gateway).run()

@@ -8,7 +8,7 @@ import re
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from backend_lib.json_input import loads
 from backend_lib.sampling.errors import RequestError
@@ -16,6 +16,7 @@ from .errors import APIError, bad_request, unauthorized
 from .formats import ChatFormat, CompletionFormat, TokenNames
 from .gateway import TritonGateway
 from .generation import ClientGone, respond
+from .lora import LoraAdapters
 from .params import parse_chat, parse_completion
 from .playground import mount_playground
 from .responses_api import responses_routes
@@ -56,12 +57,22 @@ def _v1_routes(gateway: TritonGateway, names: TokenNames, api_key: str | None, r
     @router.get("/models")
     async def list_models():
         models = await gateway.llm_models()
-        return {"object": "list", "data": [_model_card(m) for m in models]}
+        return {"object": "list", "data": [_model_card(m) for m in models] + await gateway.loras.cards(gateway)}
 
     @router.get("/models/{model:path}")
     async def get_model(model: str):
+        if model in gateway.loras:
+            return next(c for c in await gateway.loras.cards(gateway) if c["id"] == model)
         await gateway.require_llm(model)
         return _model_card(model)
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return PlainTextResponse(await gateway.loras.load(gateway, await _json_body(request)))
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return PlainTextResponse(gateway.loras.unload(await _json_body(request)))
 
     @router.post("/completions")
     async def completions(request: Request):
@@ -100,12 +111,16 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, tokenizer=None,
-               reasoning: bool = True, responses_store: ResponseStore | None = None) -> FastAPI:
+               reasoning: bool = True, responses_store: ResponseStore | None = None,
+               loras: LoraAdapters | None = None) -> FastAPI:
     """The OpenAI-compatible app over the Triton server at `triton_url` (gRPC).
     tokenizer: a backend_lib Tokenizer for logprob token strings (optional).
     reasoning: split Qwen3's think block into reasoning_content (False: the raw text is the content).
-    responses_store: where /v1/responses keeps responses (default: ResponseStore()'s bounds)."""
+    responses_store: where /v1/responses keeps responses (default: ResponseStore()'s bounds).
+    loras: the LoRA adapters served as models (openai_frontend/lora.py; default: none until loaded at run time)."""
     gateway = TritonGateway(triton_url)
+    if loras is not None:
+        gateway.loras = loras
 
     @asynccontextmanager
     async def lifespan(_app):

@@ -238,6 +238,9 @@ class TritonGateway:
         self._client: aio.InferenceServerClient | None = None
         self._is_llm: dict[str, bool] = {}
         self._streams: set[TritonStream] = set()
+        from .lora import LoraAdapters
+
+        self.loras = LoraAdapters()   # LoRA adapters served as models (create_app sets the configured ones)
 
     @property
     def client(self) -> aio.InferenceServerClient:

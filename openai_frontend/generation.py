@@ -137,6 +137,7 @@ async def _whole(gen: Generation, fmt: ResponseFormat, deltas) -> dict:
 
 async def respond(request: Request, gateway: TritonGateway, gen: Generation, fmt: ResponseFormat) -> Response:
     """Runs `gen` on Triton and answers in `fmt` (completion or chat), streamed or whole."""
+    await gateway.loras.route(gateway, gen)   # a LoRA adapter's name: its parent model, with the adapter
     await gateway.require_llm(gen.model)
     input_ids = None
     if gen.messages is not None:

@@ -262,6 +262,7 @@ def responses_routes(gateway: TritonGateway, store: ResponseStore, read_json, re
         req = parse_responses(await read_json(request), history_of)
         gen = req.gen
         try:
+            await gateway.loras.route(gateway, gen)   # a LoRA adapter's name: its parent model, with the adapter
             await gateway.require_llm(gen.model)
             tools = gen.tools.tools if gen.tools is not None else None
             input_ids = await until_disconnect(

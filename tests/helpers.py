@@ -113,3 +113,25 @@ def make_hub_cache(cache: Path, repo_id: str, folder: Path, revision: str, refs:
     for ref in refs:
         (repo / "refs" / ref).write_text(revision)
     return snapshot
+
+
+def make_peft_adapter(base_ckpt, out, r=8, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"), seed=0, alpha=16, use_rslora=False, std=0.1,
+                      **lora_config):
+    """A real PEFT LoRA adapter of the checkpoint at `base_ckpt`, saved by peft into `out` (adapter_config.json +
+    adapter_model.safetensors), with random non-zero A and B. Returns (out, the peft model in fp32)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_ckpt), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                  use_rslora=use_rslora, init_lora_weights=False, lora_dropout=0.0,
+                                                  **lora_config))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    peft_model.save_pretrained(str(out))
+    return Path(out), peft_model.eval()

@@ -112,7 +112,7 @@ def test_no_client_can_abort_a_stream_it_did_not_start(triton):
     expected = collect(url, MODEL, prompt=f"{PROMPT} victim", max_tokens=120, **GREEDY)
     expected_ids = [i for _, ids, _ in expected for i in ids]
     victim = Stream(url, MODEL, _long(f"{PROMPT} victim", 120), request_id="shared-id")
-    assert victim.got_token.wait(30) and victim.token and victim.responses == 1 and not victim.ids
+    assert victim.got_token.wait(30) and victim.token
     # another connection with the id and no token, or a guessed one: refused, saying nothing about the id
     no_token = _abort(url, "shared-id", None)
     guessed = _abort(url, "shared-id", "A" * 32)

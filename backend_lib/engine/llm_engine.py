@@ -80,6 +80,12 @@ class LLMEngine:
                  torch.get_num_threads(), f" on cores {cpu_policy.format_cores(cores)}" if cores else "")
         self.runner = ModelRunner(cfg, mc, scheme, self.device, self.dtype, kernels, self.max_model_len,
                                   fault_every(cfg.fault_injection) if cfg.fault_injection else None)
+        self.lora = None     # the LoRA adapters it serves (backend_lib/lora), when LoRA is on
+        if cfg.lora_enabled:
+            from ..lora import BaseShape, LoraRegistry, parse_lora_modules
+
+            self.lora = LoraRegistry(parse_lora_modules(cfg.lora_modules), BaseShape.of(mc), cfg.max_loras,
+                                     cfg.max_lora_rank, kernels, self.device, cfg.allow_runtime_lora)
         self.block_manager = BlockManager(self.runner.kv_cache.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -114,11 +120,24 @@ class LLMEngine:
         if params.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}"
                                f"{'' if params.max_tokens is not None else ', the default_max_tokens'})")
+        lora = self.lora_adapter(params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar.matcher(params.structured_outputs, self.tokenizer.thinking_open(prompt_ids))
         return Request(request_id, tuple(prompt_ids), params, min(max_tokens, self.max_model_len - len(prompt_ids)),
-                       grammar)
+                       grammar, lora)
+
+    def lora_adapter(self, params: SamplingParams):
+        """The request's LoRA adapter (loaded if it is not resident), None for the base; RequestError naming
+        lora_name / lora_path."""
+        if params.lora_name is None:
+            if params.lora_path is not None:
+                raise RequestError("lora_path: needs lora_name (the name the adapter is served under)")
+            return None
+        if self.lora is None:
+            raise RequestError(f"lora_name: {params.lora_name!r}: this model serves no LoRA adapters "
+                               "(enable_lora is off)")
+        return self.lora.get(params.lora_name, params.lora_path)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Validates and admits a request (offline use; EngineLoop validates in submit and admits here)."""
@@ -130,8 +149,10 @@ class LLMEngine:
             raise RequestError(f"request id {request.request_id!r} is already running")
         seq = Sequence(request.request_id, list(request.prompt_ids), request.params, request.max_tokens,
                        self.end_ids, request.grammar)
+        seq.lora = request.lora
         if self.block_manager.caching:
-            seq.cache_root = root_hash(self.runner.kv_cache.content_key, request.params.cache_salt)
+            seq.cache_root = root_hash(self.runner.kv_cache.content_key, request.params.cache_salt,
+                                       None if request.lora is None else request.lora.digest)
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         self.output.add(seq)
@@ -210,7 +231,13 @@ class LLMEngine:
         self.stats = replace(s, running=len(sched.running), waiting=len(sched.waiting), pages_used=bm.num_used,
                              pages_cached=bm.num_cached, num_preemptions=sched.num_preemptions,
                              prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits,
-                             **{k: getattr(s, k) + v for k, v in increments.items()})
+                             **self._lora_stats(), **{k: getattr(s, k) + v for k, v in increments.items()})
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        names = lambda seqs: tuple(sorted({q.lora.name for q in seqs if q.lora is not None}))  # noqa: E731
+        return {"lora_running": names(self.scheduler.running), "lora_waiting": names(self.scheduler.waiting)}
 
     # ----- offline helpers -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
@@ -232,15 +259,16 @@ class LLMEngine:
                     r["finish_reason"], r["error"] = out.finish_reason, out.error
         return list(results.values())
 
-    def score(self, token_ids: list[int]) -> list[float | None]:
+    def score(self, token_ids: list[int], lora_name: str | None = None) -> list[float | None]:
         """Log-probability of each token given those before it; the first entry is None."""
-        return self.score_detail(token_ids)[0]
+        return self.score_detail(token_ids, lora_name)[0]
 
-    def score_detail(self, token_ids: list[int]) -> tuple[list[float | None], list[int]]:
-        """(score(token_ids), the top-1 prediction after each position)."""
+    def score_detail(self, token_ids: list[int], lora_name: str | None = None) -> tuple[list[float | None], list[int]]:
+        """(score(token_ids), the top-1 prediction after each position); lora_name: with that adapter."""
         if len(token_ids) > self.max_model_len:
             raise RequestError(f"ids: {len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
         seq = Sequence("score", token_ids, SamplingParams(), 1, set())
+        seq.lora = self.lora_adapter(SamplingParams(lora_name=lora_name))
         try:
             self.block_manager.grow(seq.block_table, len(token_ids))
             return self.runner.prompt_logprobs(seq, self.cfg.max_num_batched_tokens)

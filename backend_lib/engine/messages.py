@@ -19,6 +19,7 @@ class Request:
     params: SamplingParams
     max_tokens: int            # resolved: explicit or default, capped by max_model_len
     grammar: GrammarState | None = None   # structured output: compiled at validation, owned by the engine after
+    lora: object | None = None            # its LoRA adapter (backend_lib.lora.LoraAdapter), resolved at validation
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,5 @@ class EngineStats:
     num_failed_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    lora_running: tuple[str, ...] = ()   # LoRA adapters of the running requests (sorted names), when LoRA is on
+    lora_waiting: tuple[str, ...] = ()   # and of the waiting ones

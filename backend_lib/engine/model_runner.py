@@ -41,6 +41,12 @@ class ModelRunner:
         self.sampler = Sampler()
         # CUDA: the batched pass where the logits are (ids and logprobs travel, not B x vocab logits)
         self.device_sampler = DeviceSampler(self.sampler) if device.type == "cuda" else None
+        self.lora_ctx = None
+        if cfg.lora_enabled:   # LoRA: the fused linears wrapped (backend_lib/lora/layer.py)
+            from ..lora.layer import LoraContext, attach
+
+            self.lora_ctx = LoraContext()
+            attach(self.model, self.lora_ctx, kernels)
         # decode replayed from CUDA graphs: the Triton set only (its KV writes skip the padding rows)
         self.graphs = None
         if cfg.cuda_graphs and device.type == "cuda" and kernels.name == "triton":
@@ -116,13 +122,14 @@ class ModelRunner:
         self.steps += 1
         if self.fault_every and self.steps % self.fault_every == 0:
             raise InjectedFault(f"injected fault at step {self.steps} (fault_injection every:{self.fault_every})")
-        if self.graphs is not None and self.is_decode(plan) and \
+        # a step with LoRA rows runs eagerly (the graphs hold the base model's forward only)
+        if self.graphs is not None and self.is_decode(plan) and not any(seq.lora for seq, _ in plan) and \
                 self.graphs.fits(len(plan), max(len(seq.block_table) for seq, _ in plan)):
             seqs = [seq for seq, _ in plan]
             logits = self.graphs.run(*self.decode_inputs(plan))
         else:
             input_ids, positions, meta, rows, seqs = self.prepare(plan)
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            hidden = self.forward(plan, input_ids, positions, meta)
             if not seqs:
                 return []
             logits = self.model.logits(hidden[rows])
@@ -133,6 +140,15 @@ class ModelRunner:
             samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
         return list(zip(seqs, samples))
 
+    def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta) -> torch.Tensor:
+        """The model over a prepared step; with LoRA on, each row with its sequence's adapter."""
+        if self.lora_ctx is None:
+            return self.model(input_ids, positions, self.kv_cache, meta)
+        from ..lora.layer import LoraBatch
+
+        with self.lora_ctx.use(LoraBatch.of([seq.lora for seq, n in plan for _ in range(n)], self.device)):
+            return self.model(input_ids, positions, self.kv_cache, meta)
+
     @torch.inference_mode()
     def prompt_logprobs(self, seq: Sequence, chunk: int) -> tuple[list[float | None], list[int]]:
         """Log-probability of every token given those before it (first entry None), chunk by chunk,
@@ -142,7 +158,7 @@ class ModelRunner:
         while seq.num_pending > 0:
             n = min(chunk, seq.num_pending)
             input_ids, positions, meta, _, _ = self.prepare([(seq, n)])
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            hidden = self.forward([(seq, n)], input_ids, positions, meta)
             logp = torch.log_softmax(self.model.logits(hidden).float(), dim=-1).cpu()
             start = seq.num_computed
             nxt = seq.tokens[start + 1:start + n + 1]

@@ -39,6 +39,7 @@ class Sequence:
         self.cache_root: bytes | None = None   # prefix caching on: the root of this request's page hashes
         self.page_hashes: list[bytes] = []     # hashes of the first full pages of `tokens` (a chain)
         self.num_registered = 0                # pages of block_table recorded in the prefix cache
+        self.lora = None                       # its LoRA adapter (backend_lib.lora), None for the base model
 
     @property
     def num_tokens(self) -> int:

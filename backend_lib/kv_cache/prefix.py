@@ -1,15 +1,18 @@
 """Content hashes of full KV pages for prefix caching: page i's hash is chained over the hash of page i-1
 and page i's token ids, from a root that holds whatever else decides the pages' contents (the cache kind
-and its seeds, the model dtype) and the request's cache_salt, so tenants with different salts never
-share a page. BLAKE2b (16 bytes): fast, and collisions are out of reach."""
+and its seeds, the model dtype), the request's cache_salt, so tenants with different salts never
+share a page, and the content digest of its LoRA adapter, so two adapters (or an adapter and the base)
+never share one. BLAKE2b (16 bytes): fast, and collisions are out of reach."""
 from __future__ import annotations
 
 import hashlib
 from array import array
 
 
-def root_hash(content_key: str, cache_salt: str | None) -> bytes:
+def root_hash(content_key: str, cache_salt: str | None, adapter: str | None = None) -> bytes:
     key = f"{content_key}\0{'' if cache_salt is None else 'salt:' + cache_salt}"
+    if adapter is not None:
+        key += f"\0lora:{adapter}"
     return hashlib.blake2b(key.encode("utf-8"), digest_size=16).digest()
 
 

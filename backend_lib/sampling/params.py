@@ -110,6 +110,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None          # prefix caching: only requests with the same salt share pages
     structured_outputs: StructuredSpec | None = None   # parsed from structured_outputs / guided_* keys
+    lora_name: str | None = None           # the LoRA adapter to run with (docs/lora.md); None: the base model
+    lora_path: str | None = None           # with allow_runtime_lora: where lora_name is loaded from on first use
 
     @classmethod
     def names(cls) -> set[str]:
@@ -165,6 +167,10 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > 256):
             raise RequestError("cache_salt must be a non-empty string of at most 256 characters")
+        for name in ("lora_name", "lora_path"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > 4096):
+                raise RequestError(f"{name} must be a non-empty string of at most 4096 characters, got {value!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise RequestError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
         return self

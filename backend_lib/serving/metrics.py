@@ -18,6 +18,7 @@ response, and per-token serving pays no call into the server.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from .log import get_logger
@@ -52,6 +53,7 @@ class FinishedRequest:
     e2e_s: float
     prompt_tokens: int
     generation_tokens: int
+    lora_name: str | None = None     # its LoRA adapter (counted in vllm:lora_requests_total), None: the base
 log = get_logger()
 
 
@@ -91,7 +93,8 @@ class MetricsBuffer:
 
 
 class EngineMetrics:
-    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int):
+    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int, max_loras: int | None = None):
+        """max_loras: LoRA on (vllm:lora_requests_info is published); None: off."""
         M = pb_utils.MetricFamily
         self._families = []  # a MetricFamily must outlive its Metric objects
 
@@ -136,6 +139,15 @@ class EngineMetrics:
                                       M.HISTOGRAM).Metric(labels=labels, buckets=token_buckets)
         self.request_n = fam("vllm:request_params_n", "Histogram of the n request parameter.",
                              M.HISTOGRAM).Metric(labels=labels, buckets=N_BUCKETS)
+        # vLLM's LoRA gauge: its labels name the adapters of the running and waiting requests, its value the time
+        # they were last seen so (as vLLM's, the series with the latest value is the current state)
+        self._max_loras = max_loras
+        self._lora_info = None if max_loras is None else fam(
+            "vllm:lora_requests_info", "Running stats on lora requests.", M.GAUGE)
+        self._lora_series: dict[tuple, object] = {}
+        self._lora_requests = None if max_loras is None else fam(
+            "vllm:lora_requests_total", "Finished requests by LoRA adapter", M.COUNTER)
+        self._lora_counts: dict[str, object] = {}
 
     def _finished(self, req: FinishedRequest) -> None:
         metric = self._by_reason.get(req.reason)
@@ -147,6 +159,12 @@ class EngineMetrics:
         self.request_prompt.observe(req.prompt_tokens)
         self.request_generation.observe(req.generation_tokens)
         self.request_n.observe(1)    # n > 1 is refused at admission
+        if req.lora_name is not None and self._lora_requests is not None:
+            counter = self._lora_counts.get(req.lora_name)
+            if counter is None:
+                counter = self._lora_counts[req.lora_name] = self._lora_requests.Metric(
+                    labels={**self._labels, "lora_name": req.lora_name})
+            counter.increment(1)
 
     def flush(self, updates: MetricsBuffer, stats) -> None:
         """Applies buffered updates and the engine's latest stats (calls into the server process)."""
@@ -173,6 +191,14 @@ class EngineMetrics:
         if stats.prefix_cache_hits > self._published_hits:
             self.prefix_hits.increment(stats.prefix_cache_hits - self._published_hits)
             self._published_hits = stats.prefix_cache_hits
+        if self._lora_info is not None:
+            key = (stats.lora_running, stats.lora_waiting)
+            series = self._lora_series.get(key)
+            if series is None:
+                series = self._lora_series[key] = self._lora_info.Metric(labels={
+                    **self._labels, "max_lora": str(self._max_loras), "running_lora_adapters": ",".join(key[0]),
+                    "waiting_lora_adapters": ",".join(key[1])})
+            series.set(time.time())
 
 
 class MetricsPublisher:

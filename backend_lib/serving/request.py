@@ -21,7 +21,8 @@ from .schema import FLAG_INPUTS, LLM_INPUT, LLM_INPUTS, SAMPLING_INPUTS
 _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                 "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
                 "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
-                "skip_special_tokens": bool, "cache_salt": str}
+                "skip_special_tokens": bool, "cache_salt": str, "lora_name": str,
+                "lora_path": str}
 ABORT_INPUTS = tuple(f.name for f in LLM_INPUTS if f.role == "abort")
 MAX_SAMPLING_JSON_BYTES = 1 << 20
 

@@ -35,4 +35,22 @@ def engine_config_from_args(args: dict, params: dict[str, str] | None = None) ->
         params["device"] = f"{'npu' if base.startswith('npu') else 'cuda'}:{device_id}"
     elif kind == "CPU" and params.get("device", "") in ("", "auto"):
         params["device"] = "cpu"
+    multi_lora(args, params)
     return EngineConfig.from_params(params, base_dir=args["model_repository"])
+
+
+def multi_lora(args: dict, params: dict[str, str]) -> None:
+    """vllm_backend's multi_lora.json ({"name": "path", ...}, in the model's version folder or its folder) joins the
+    lora_modules parameter; a name in both with different paths is an error naming both."""
+    from ..lora.registry import MULTI_LORA_FILE, parse_lora_modules, read_multi_lora
+
+    folder = args["model_repository"]
+    merged = parse_lora_modules(params.get("lora_modules") or None)
+    for where in (os.path.join(folder, str(args.get("model_version") or "1")), folder):
+        for name, path in read_multi_lora(where).items():
+            if merged.get(name, path) != path:
+                raise ValueError(f"lora_modules: adapter {name!r} is {merged[name]!r} there and {path!r} in "
+                                 f"{os.path.join(where, MULTI_LORA_FILE)}; name it once")
+            merged[name] = path
+    if merged:
+        params["lora_modules"] = json.dumps(merged)

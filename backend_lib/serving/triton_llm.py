@@ -96,7 +96,8 @@ class TritonLLMModel:
         self.metrics = MetricsBuffer()
         self.publisher = MetricsPublisher(
             EngineMetrics(pb_utils, {"model": self.name, "version": args.get("model_version", "1")},
-                          self.engine.max_model_len), self.metrics,
+                          self.engine.max_model_len, cfg.max_loras if self.engine.lora is not None else None),
+            self.metrics,
             lambda: self.loop.stats, name=f"{self.name}-metrics")
         self._queue: queue.Queue = queue.Queue()
         self._active: dict[str, RequestState] = {}
@@ -273,7 +274,8 @@ class TritonLLMModel:
         """Counts a finished request and lets the metrics thread publish it before the final response goes
         out (bounded: a stalled metrics call delays a final response by FINAL_METRICS_WAIT_S at most)."""
         self.metrics.record(finished=FinishedRequest(reason, time.perf_counter() - state.arrival,
-                                                     len(state.prompt_ids), state.generated))
+                                                     len(state.prompt_ids), state.generated,
+                                                     state.req.sampling.get("lora_name")))
         if not self._exiting:
             self.publisher.flush(wait=FINAL_METRICS_WAIT_S)
 

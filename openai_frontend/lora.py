@@ -1,0 +1,134 @@
+"""LoRA adapters as models of the OpenAI front, vLLM's way: `--lora-modules name=path` at start, and
+`POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` at run time; an adapter's name is usable as `model`
+and `/v1/models` lists it with its `parent` (the Triton LLM model it runs on) and `root` (its path).
+
+A request for an adapter goes to its parent with `lora_name` and `lora_path` in sampling_parameters: the Triton
+model loads the adapter on first use (its `allow_runtime_lora` parameter must be true; an adapter given without
+a path is one the Triton model already serves by name, and only `lora_name` is sent), keeps at most
+`max_loras` resident and evicts the least recently used (docs/lora.md). A load is checked at once: the front
+sends the parent a one-token request with the adapter, so a malformed adapter is a 400 naming the field at load,
+not at the first real request.
+"""
+from __future__ import annotations
+
+from backend_lib.lora.registry import check_name
+from backend_lib.sampling.errors import RequestError
+from client.triton_inputs import build_inputs
+from .errors import APIError, bad_request
+
+LOAD_FIELDS = {"lora_name", "lora_path", "base_model_name"}
+UNLOAD_FIELDS = {"lora_name", "lora_int_id"}
+
+
+def parse_lora_modules_arg(values: list[str] | None) -> dict[str, tuple[str, str | None]]:
+    """--lora-modules entries: `name=path` or a JSON object {"name", "path", "base_model_name"?} (vLLM's forms)."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for value in values or []:
+        if value.strip().startswith("{"):
+            from backend_lib.json_input import loads
+
+            entry = loads(value, "--lora-modules")
+            if not isinstance(entry, dict) or set(entry) - {"name", "path", "base_model_name"} or not isinstance(
+                    entry.get("name"), str) or not isinstance(entry.get("path", ""), str):
+                raise ValueError(f"--lora-modules: {value!r} is not {{\"name\": ..., \"path\": ..., "
+                                 "\"base_model_name\": ...}")
+            # without a path: an adapter its Triton model already serves (lora_modules / multi_lora.json)
+            name, path, parent = entry["name"], entry.get("path") or None, entry.get("base_model_name")
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {value!r} is not name=path")
+            parent = None
+        try:
+            check_name(name, "--lora-modules")
+        except RequestError as exc:
+            raise ValueError(str(exc)) from None
+        if name in out:
+            raise ValueError(f"--lora-modules: adapter {name!r} is named twice")
+        out[name] = (path, parent)
+    return out
+
+
+class LoraAdapters:
+    """name -> (path, parent model); parent None: the default (--lora-base-model, else the first LLM model); path
+    None: an adapter the parent serves by name (only lora_name is sent, so it needs no allow_runtime_lora)."""
+
+    def __init__(self, modules: dict[str, tuple[str | None, str | None]] | None = None,
+                 default_parent: str | None = None):
+        self._adapters = dict(modules or {})
+        self.default_parent = default_parent
+
+    def __contains__(self, name) -> bool:
+        return name in self._adapters
+
+    async def _parent(self, gateway, parent: str | None) -> str:
+        if parent is not None:
+            return parent
+        if self.default_parent is not None:
+            return self.default_parent
+        models = await gateway.llm_models()
+        if not models:
+            raise APIError(503, "no LLM model is ready to run LoRA adapters on", type="server_error")
+        return models[0]
+
+    async def route(self, gateway, gen) -> None:
+        """A generation for an adapter runs on its parent with the adapter named in sampling_parameters."""
+        entry = self._adapters.get(gen.model)
+        if entry is None:
+            return
+        path, parent = entry
+        gen.sampling["lora_name"] = gen.model
+        if path is not None:   # else the parent serves it by name (its lora_modules / multi_lora.json)
+            gen.sampling["lora_path"] = path
+        gen.model = await self._parent(gateway, parent)
+
+    async def cards(self, gateway) -> list[dict]:
+        return [{"id": name, "object": "model", "created": 0, "owned_by": "triton", "root": path,
+                 "parent": await self._parent(gateway, parent)} for name, (path, parent) in self._adapters.items()]
+
+    @staticmethod
+    def _fields(body, known: set[str]) -> dict:
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise bad_request(f"{unknown[0]}: unknown field (known: {', '.join(sorted(known))})", unknown[0])
+        name = body.get("lora_name")
+        try:
+            check_name(name)
+        except RequestError as exc:
+            raise bad_request(str(exc), "lora_name") from None
+        return body
+
+    async def load(self, gateway, body) -> str:
+        body = self._fields(body, LOAD_FIELDS)
+        name, path, parent = body["lora_name"], body.get("lora_path"), body.get("base_model_name")
+        if not isinstance(path, str) or not path:
+            raise bad_request("lora_path: a non-empty string is required", "lora_path")
+        if parent is not None and (not isinstance(parent, str) or not parent):
+            raise bad_request("base_model_name: must be a model name", "base_model_name")
+        if name in self._adapters:
+            raise bad_request(f"lora_name: the LoRA adapter '{name}' has already been loaded", "lora_name")
+        target = await self._parent(gateway, parent)
+        if name in await gateway.llm_models():
+            raise bad_request(f"lora_name: '{name}' is the name of a model", "lora_name")
+        await gateway.require_llm(target)
+        # one token with the adapter: the parent loads and validates it now (a 400 naming the field if it fails)
+        stream = gateway.stream(target, build_inputs(None, [0], stream=True, max_tokens=1, sampling_parameters={
+            "lora_name": name, "lora_path": path, "temperature": 0}))
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            stream.close()
+        self._adapters[name] = (path, parent)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload(self, body) -> str:
+        body = self._fields(body, UNLOAD_FIELDS)
+        name = body["lora_name"]
+        if name not in self._adapters:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="not_found")
+        del self._adapters[name]
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
