@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from backend_lib.sampling.params import INT32_MAX, NEUTRAL_KEYS, RequestError, SamplingLimits, check_number
+from backend_lib.sampling.params import (INT32_MAX, NEUTRAL_KEYS, RequestError, SamplingLimits, check_logit_bias,
+                                        check_number)
 from backend_lib.sampling.structured import GUIDED_ALIASES, StructuredSpec
 from client.triton_inputs import build_inputs
 from .errors import bad_request
@@ -93,7 +94,7 @@ def _neutral_only(body: dict, name: str, allowed: tuple, why: str | None = None)
 
 
 # vLLM/OpenAI fields accepted only with their neutral value, beyond the engine's NEUTRAL_KEYS
-FRONT_NEUTRAL = {"logit_bias": ({}, []), "echo": (False,), "suffix": ("",)}
+FRONT_NEUTRAL = {"echo": (False,), "suffix": ("",), "prompt_logprobs": ()}
 
 
 def _neutral_fields(body: dict) -> None:
@@ -172,6 +173,37 @@ def _sampling(gen: Generation, body: dict, max_tokens_names: tuple[str, ...]) ->
                               "stop_token_ids")
         gen.sampling["stop_token_ids"] = stop_ids
     gen.stop = _stop(body)
+    _token_masks(gen, body)
+
+
+LIMITS = SamplingLimits()
+
+
+def _token_masks(gen: Generation, body: dict) -> None:
+    """logit_bias (OpenAI), allowed_token_ids and bad_words (vLLM): checked for shape and range here (the
+    vocabulary is the model's check), passed in sampling_parameters."""
+    raw = body.get("logit_bias")
+    try:
+        bias = check_logit_bias(None if raw == [] else raw, None, LIMITS.max_logit_bias)
+    except RequestError as exc:
+        raise bad_request(str(exc), "logit_bias") from None
+    if bias:
+        gen.sampling["logit_bias"] = {str(k): v for k, v in bias.items()}
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list) or not allowed or not all(_token_id(i) for i in allowed):
+            raise bad_request(f"allowed_token_ids must be a non-empty list of token ids, integers in [0, {INT32_MAX}]",
+                              "allowed_token_ids")
+        gen.sampling["allowed_token_ids"] = allowed
+    words = body.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise bad_request("bad_words must be a list of strings", "bad_words")
+        if len(words) > LIMITS.max_bad_words or any(len(w) > LIMITS.max_bad_word_len for w in words):
+            raise bad_request(f"bad_words: at most {LIMITS.max_bad_words} words of at most "
+                              f"{LIMITS.max_bad_word_len} characters", "bad_words")
+        if words:
+            gen.sampling["bad_words"] = words
 
 
 def _response_format(body: dict) -> dict | None:
@@ -240,10 +272,11 @@ _SHARED_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperatur
                   "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                   "ignore_eos", "cache_salt", "stop", "stop_token_ids", "logprobs", "response_format",
                   "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern",
-                  "skip_special_tokens", *GUIDED_ALIASES, *_METADATA, *NEUTRAL_KEYS}
-COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "suffix", "logit_bias"}
+                  "skip_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", *GUIDED_ALIASES,
+                  *_METADATA, *NEUTRAL_KEYS}
+COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
-                                "tools", "tool_choice", "parallel_tool_calls", "include_reasoning", "logit_bias",
+                                "tools", "tool_choice", "parallel_tool_calls", "include_reasoning",
                                 "add_generation_prompt", "continue_final_message", "add_special_tokens",
                                 "store", "service_tier", "modalities", "n"}
 CHAT_NEUTRAL = {"add_generation_prompt": (True,), "continue_final_message": (False,),

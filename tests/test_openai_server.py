@@ -17,6 +17,7 @@ import pytest
 import requests
 from openai import OpenAI
 
+from backend_lib.sampling.params import bad_words_token_ids
 from backend_lib.tokenizer import Tokenizer
 from client.stream import stream_generate
 from helpers import ROOT
@@ -313,7 +314,11 @@ def _post(front, kind: str, fields: dict, stream: bool = False, **kw) -> request
     ("completion", {"n": 2}, "n"),
     ("chat", {"n": True}, "n"),
     ("completion", {"best_of": 3}, "best_of"),
-    ("chat", {"logit_bias": {"15": 100}}, "logit_bias"),
+    ("chat", {"logit_bias": {"15": 100.5}}, "logit_bias"),
+    ("completion", {"logit_bias": {str(i): 1 for i in range(10**4)}}, "logit_bias"),
+    ("completion", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("chat", {"allowed_token_ids": [2**31]}, "allowed_token_ids"),
+    ("completion", {"bad_words": ["x"] * 1000}, "bad_words"),
     ("completion", {"echo": True}, "echo"),
     ("chat", {"use_beam_search": True}, "use_beam_search"),
     ("completion", {"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
@@ -359,6 +364,31 @@ def test_neutral_vllm_and_openai_values_are_accepted(triton, front):
     chat = _post(front, "chat", {"n": 1, "logit_bias": None, "best_of": 1, "min_p": 0.05, "max_tokens": 3,
                                  "temperature": 0, "ignore_eos": True})
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 3, chat.text
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_sampler(triton, front, tok, kind):
+    base = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    def tokens(fields):
+        r = _post(front, kind, {**base, **fields, "logprobs": 1 if kind == "completion" else True})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        return lp["tokens"] if kind == "completion" else [e["token"] for e in lp["content"]]
+
+    plain = tokens({})
+    forced = tok.decode([1234], skip_special_tokens=False)
+    assert plain != [forced] * 5
+    assert tokens({"logit_bias": {"1234": 100}}) == [forced] * 5
+    assert tokens({"allowed_token_ids": [1234, 4321], "logit_bias": {"4321": -100}}) == [forced] * 5
+    if kind == "completion":   # a bad word: the first reference token that round-trips through the tokenizer
+        ref = stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPT, sampling_parameters=base)["output_ids"]
+        i = next(i for i, t in enumerate(ref) if [t] in bad_words_token_ids([tok.decode([t])], tok.encode))
+        banned = tokens({"bad_words": [tok.decode([ref[i]])]})
+        assert banned[:i] == plain[:i] and banned[i] != plain[i]
+    r = _post(front, kind, {**base, "logit_bias": {"9999999": 5}})   # outside the vocabulary: the model's check
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert tokens({}) == plain   # nothing left behind
 
 
 def test_the_largest_seed_reaches_triton_unwrapped(triton, front):

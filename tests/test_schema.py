@@ -71,8 +71,10 @@ def test_outputs_use_the_schema_dtypes():
         return_finish_reason = return_num_input_tokens = return_num_output_tokens = return_logprobs = True
 
     arrays = output_arrays("é", [1, 2], finish_reason="stop", num_input_tokens=3, num_output_tokens=2,
-                           cumulative_logprob=-1.5, logprobs=[{"id": 1}], flags=Flags)
+                           cumulative_logprob=-1.5, logprobs=[{"id": 1}], flags=Flags,
+                           prompt_logprobs=[None, {"id": 2}])
     arrays = {**abort_token_arrays("t"), **arrays}
+    assert [json.loads(x) for x in arrays["prompt_logprobs"]] == [None, {"id": 2}]
     assert set(arrays) == {f.name for f in schema.LLM_OUTPUTS}
     for name, arr in arrays.items():
         assert arr.dtype == schema.LLM_OUTPUT[name].np_dtype

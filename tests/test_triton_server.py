@@ -193,3 +193,53 @@ def test_prefix_cache_through_the_server_reuses_pages_and_keeps_the_ids(triton):
     other = collect(triton.grpc_url, m, prompt=prompt, max_tokens=8, **GREEDY)   # no salt: another tenant
     assert other == first and hits() == h1
     assert triton.metric("vllm:kv_cache_pages_cached", m) > 0
+
+
+def _responses(url, model, **request):
+    """Every result object of one gRPC stream request (errors raised)."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer(model, build_inputs(**request), enable_empty_final_response=True)
+    out = []
+    try:
+        while True:
+            r, e = results.get(timeout=120)
+            if e is not None:
+                raise RuntimeError(str(e))
+            out.append(r)
+            if r.get_response().parameters["triton_final_response"].bool_param:
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_prompt_logprobs_output_equals_score_and_masks_apply(triton, a8w8_ckpt, stream):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    ids = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]
+    proc = subprocess.run([sys.executable, "-m", "backend_lib.score", "--checkpoint", str(a8w8_ckpt), "--ids",
+                           ",".join(map(str, ids)), "--dtype", "bfloat16", "--page-size", "16", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    scored = json.loads(proc.stdout.strip().splitlines()[-1])["logprobs"]
+    plain = collect(triton.grpc_url, "qwen3_a8w8", input_ids=ids, max_tokens=6, **GREEDY)
+    sp = {**GREEDY["sampling_parameters"], "prompt_logprobs": 2, "max_tokens": 6}
+    rs = _responses(triton.grpc_url, "qwen3_a8w8", input_ids=ids, stream=stream, sampling_parameters=sp)
+    carrying = [r for r in rs if r.as_numpy("prompt_logprobs") is not None]
+    assert len(carrying) == 1 and carrying[0].as_numpy("output_ids").size > 0   # once, with the first token
+    plp = [json.loads(x) for x in carrying[0].as_numpy("prompt_logprobs")]
+    assert plp[0] is None and [e["id"] for e in plp[1:]] == ids[1:] and all(len(e["top"]) == 2 for e in plp[1:])
+    assert [e["logprob"] for e in plp[1:]] == scored[1:]
+    got = [int(i) for r in rs for i in r.as_numpy("output_ids")]
+    assert got == [i for _, ids_, _ in plain for i in ids_]   # the tokens are those of the request without it
+    biased = collect(triton.grpc_url, "qwen3_a8w8", input_ids=ids, stream=stream,
+                     sampling_parameters={**sp, "max_tokens": 4, "logit_bias": {"1234": 100}, "bad_words": ["x"]})
+    assert [i for _, ids_, _ in biased for i in ids_] == [1234] * 4
+    bad = collect(triton.grpc_url, "qwen3_a8w8", input_ids=ids, max_tokens=4,
+                  sampling_parameters={"logit_bias": {"99999999": 1}})
+    assert bad[-1][0] == "ERROR" and "logit_bias" in bad[-1][1]

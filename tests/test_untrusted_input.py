@@ -269,3 +269,17 @@ def test_fuzzed_hostile_documents_get_a_result_or_one_error_naming_a_field_on_ev
         except APIError as exc:
             assert exc.status == 400 and (exc.param is None or exc.param in sent or exc.param in
                                           ("messages", "prompt", "model")), (exc.param, exc.message)
+
+
+def test_token_masks_and_prompt_logprobs_reach_sampling_from_every_place():
+    from backend_lib.serving.request import parse_request
+    import numpy as np
+    base = {"text_input": np.array([b"hi"], dtype=np.object_)}
+    req = parse_request(base, json.dumps({"logit_bias": '{"5": 2}', "bad_words": "foo", "allowed_token_ids": "[1, 2]",
+                                          "prompt_logprobs": "2"}))
+    assert req.sampling == {"logit_bias": {"5": 2}, "bad_words": ["foo"], "allowed_token_ids": [1, 2],
+                            "prompt_logprobs": 2}
+    sp = {"sampling_parameters": np.array([json.dumps({"logit_bias": {"5": 2}}).encode()], dtype=np.object_)}
+    assert parse_request({**base, **sp}, None).sampling == {"logit_bias": {"5": 2}}
+    with pytest.raises(RequestError, match="logit_bias"):
+        parse_request({**base, **sp}, json.dumps({"logit_bias": {"5": 3}}))   # given twice, different values

@@ -24,7 +24,7 @@ from ..kernels import get_kernels
 from ..kv_cache import BlockManager
 from ..kv_cache.pool import pool_token_capacity
 from ..kv_cache.prefix import root_hash
-from ..sampling.params import RequestError, SamplingParams
+from ..sampling.params import RequestError, SamplingParams, bad_words_token_ids
 from ..sampling.sampler import SampleError
 from ..sampling.structured import GrammarCompiler
 from ..tokenizer import Tokenizer
@@ -107,6 +107,8 @@ class LLMEngine:
         if params.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}"
                                f"{'' if params.max_tokens is not None else ', the default_max_tokens'})")
+        if params.bad_words and not params.bad_words_ids:
+            params.bad_words_ids = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar.matcher(params.structured_outputs, self.tokenizer.thinking_open(prompt_ids))
@@ -158,7 +160,13 @@ class LLMEngine:
             seq.num_computed += n
             self.scheduler.cache_full_pages(seq)
         outputs = []
+        for seq, _ in plan:
+            if seq.failure is not None and seq.finish_reason is None:
+                log.warning("request %s failed: %s", seq.request_id, seq.failure)
+                outputs.append(self._finish(seq, "error", seq.failure))
         for seq, sample in results:
+            if seq.finish_reason is not None:   # failed above
+                continue
             if isinstance(sample, SampleError):
                 log.warning("request %s failed in sampling: %s", seq.request_id, sample.message)
                 outputs.append(self._finish(seq, "error", sample.message))
@@ -213,6 +221,8 @@ class LLMEngine:
                     continue
                 r["output_ids"] += out.new_token_ids
                 r["text"] += out.new_text
+                if out.prompt_logprobs is not None:
+                    r["prompt_logprobs"] = out.prompt_logprobs
                 if out.finished:
                     r["finish_reason"], r["error"] = out.finish_reason, out.error
         return list(results.values())

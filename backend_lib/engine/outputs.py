@@ -17,3 +17,4 @@ class RequestOutput:
     new_logprobs: list[dict] | None = None
     cumulative_logprob: float | None = None
     error: str | None = None
+    prompt_logprobs: list[dict | None] | None = None   # requested: every prompt token's, in the first output

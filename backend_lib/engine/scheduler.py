@@ -90,8 +90,10 @@ class Scheduler:
         return list(plan.items())
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached pages holding the longest run of seq's full pages, leaving at least one token to compute."""
-        if not self.bm.caching or seq.num_computed:
+        """Cached pages holding the longest run of seq's full pages, leaving at least one token to compute.
+        A request for prompt_logprobs takes none: its whole prompt is computed (the pages it fills are still
+        recorded for others)."""
+        if not self.bm.caching or seq.num_computed or seq.params.prompt_logprobs is not None:
             return []
         return self.bm.match(seq.full_page_hashes((seq.num_tokens - 1) // self.bm.page_size, self.bm.page_size))
 

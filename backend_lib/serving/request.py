@@ -21,7 +21,8 @@ from .schema import FLAG_INPUTS, LLM_INPUT, LLM_INPUTS, SAMPLING_INPUTS
 _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                 "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
                 "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
-                "skip_special_tokens": bool, "cache_salt": str}
+                "skip_special_tokens": bool, "cache_salt": str, "logit_bias": dict, "allowed_token_ids": list,
+                "bad_words": list, "prompt_logprobs": int}
 ABORT_INPUTS = tuple(f.name for f in LLM_INPUTS if f.role == "abort")
 MAX_SAMPLING_JSON_BYTES = 1 << 20
 
@@ -86,8 +87,10 @@ def _coerce(key: str, value, where: str):
         if typ is float:
             return float(value)
         if typ is list:
-            if key == "stop" and not value.lstrip().startswith("["):
+            if key in ("stop", "bad_words") and not value.lstrip().startswith("["):
                 return [value]
+            return loads(value, f"{where}.{key}")
+        if typ is dict:
             return loads(value, f"{where}.{key}")
     except ValueError:
         raise RequestError(f"{where}: {key}={value[:64]!r} is not a valid {typ.__name__}") from None

@@ -23,7 +23,7 @@ def abort_token_arrays(token: str) -> dict[str, np.ndarray]:
 
 def output_arrays(text: str, ids: list[int], *, finish_reason: str | None, num_input_tokens: int,
                   num_output_tokens: int, cumulative_logprob: float | None, logprobs: list[dict] | None,
-                  flags) -> dict[str, np.ndarray]:
+                  flags, prompt_logprobs: list | None = None) -> dict[str, np.ndarray]:
     """flags: the ParsedRequest; only the outputs it asked for are included (text and ids always)."""
     out = {"text_output": _array("text_output", [text]), "output_ids": _array("output_ids", ids)}
     if flags.return_finish_reason:
@@ -36,4 +36,6 @@ def output_arrays(text: str, ids: list[int], *, finish_reason: str | None, num_i
         out["cumulative_logprob"] = _array("cumulative_logprob", [] if cumulative_logprob is None
                                            else [cumulative_logprob])
         out["logprobs"] = _array("logprobs", [json.dumps(lp) for lp in logprobs or []])
+    if prompt_logprobs is not None:
+        out["prompt_logprobs"] = _array("prompt_logprobs", [json.dumps(lp) for lp in prompt_logprobs])
     return out

@@ -99,6 +99,9 @@ LLM_OUTPUTS: tuple[Field, ...] = (
     _f("logprobs", "TYPE_STRING", [-1], "output", "per token: JSON {id, logprob, top: [{id, logprob}]}"),
     _f("abort_token", "TYPE_STRING", [-1], "output",
        "return_abort_token: the request's abort capability, in its first response only"),
+    _f("prompt_logprobs", "TYPE_STRING", [-1], "output",
+       "sampling_parameters.prompt_logprobs: per prompt token, JSON null (the first) or {id, logprob, top: "
+       "[{id, logprob}]}, in the first response with a token"),
 )
 
 # Inputs and outputs of the tokenizer model (qwen3_tokenizer), the first step of the ensembles.

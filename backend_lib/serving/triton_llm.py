@@ -61,6 +61,7 @@ class RequestState:
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list | None = None
     done: bool = False
 
 
@@ -357,13 +358,16 @@ class TritonLLMModel:
         if req.stream:
             arrays = output_arrays(out.new_text, out.new_token_ids, finish_reason=out.finish_reason,
                                    num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-                                   cumulative_logprob=out.cumulative_logprob, logprobs=out.new_logprobs, flags=req)
+                                   cumulative_logprob=out.cumulative_logprob, logprobs=out.new_logprobs, flags=req,
+                                   prompt_logprobs=out.prompt_logprobs)
             self._send(state, arrays, final)
         else:
             state.text.append(out.new_text)
             state.ids.extend(out.new_token_ids)
             if out.new_logprobs:
                 state.logprobs.extend(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = out.prompt_logprobs
             if out.finished:
                 text = "".join(state.text)
                 if not req.exclude_input_in_output:
@@ -374,7 +378,7 @@ class TritonLLMModel:
                                        num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
                                        cumulative_logprob=out.cumulative_logprob,
                                        logprobs=state.logprobs if req.return_logprobs or state.logprobs else None,
-                                       flags=req)
+                                       flags=req, prompt_logprobs=state.prompt_logprobs)
                 self._send(state, arrays, final)
 
     def _send(self, state: RequestState, arrays: dict, flags: int) -> None:
