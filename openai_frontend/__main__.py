@@ -1,5 +1,5 @@
 """python -m openai_frontend [--triton-url localhost:8001] [--host 127.0.0.1] [--port 9000] [--api-key KEY]
-[--reasoning-parser qwen3|none]"""
+[--reasoning-parser qwen3|none] [--responses-store-count N] [--responses-store-mib MIB]"""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ import sys
 import uvicorn
 
 from .app import create_app
+from .responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
 
 
 def main(argv=None) -> int:
@@ -24,6 +25,10 @@ def main(argv=None) -> int:
                     help="tokenizer folder for logprob token strings (default: 'token_id:<id>')")
     ap.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
                     help="qwen3: the think block becomes reasoning_content; none: raw text as content")
+    ap.add_argument("--responses-store-count", type=int, default=DEFAULT_MAX_RESPONSES,
+                    help="/v1/responses: most responses kept for GET and previous_response_id (oldest evicted)")
+    ap.add_argument("--responses-store-mib", type=float, default=DEFAULT_MAX_BYTES / 2**20,
+                    help="/v1/responses: most MiB of stored responses (oldest evicted)")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--shutdown-timeout", type=float, default=3.0,
                     help="seconds a stop signal waits for open responses (after aborting their Triton streams)")
@@ -33,8 +38,11 @@ def main(argv=None) -> int:
         from backend_lib.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(args.tokenizer)
+    if args.responses_store_count < 0 or args.responses_store_mib < 0:
+        ap.error("--responses-store-count and --responses-store-mib must be >= 0")
+    store = ResponseStore(args.responses_store_count, int(args.responses_store_mib * 2**20))
     app = create_app(args.triton_url, api_key=args.api_key, tokenizer=tokenizer,
-                     reasoning=args.reasoning_parser == "qwen3")
+                     reasoning=args.reasoning_parser == "qwen3", responses_store=store)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     BoundedShutdownServer(config, app.state.gateway).run()

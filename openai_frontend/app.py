@@ -17,6 +17,9 @@ from .formats import ChatFormat, CompletionFormat, TokenNames
 from .gateway import TritonGateway
 from .generation import ClientGone, respond
 from .params import parse_chat, parse_completion
+from .playground import mount_playground
+from .responses_api import responses_routes
+from .responses_store import ResponseStore
 
 log = logging.getLogger("openai_frontend")
 
@@ -97,10 +100,11 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, tokenizer=None,
-               reasoning: bool = True) -> FastAPI:
+               reasoning: bool = True, responses_store: ResponseStore | None = None) -> FastAPI:
     """The OpenAI-compatible app over the Triton server at `triton_url` (gRPC).
     tokenizer: a backend_lib Tokenizer for logprob token strings (optional).
-    reasoning: split Qwen3's think block into reasoning_content (False: the raw text is the content)."""
+    reasoning: split Qwen3's think block into reasoning_content (False: the raw text is the content).
+    responses_store: where /v1/responses keeps responses (default: ResponseStore()'s bounds)."""
     gateway = TritonGateway(triton_url)
 
     @asynccontextmanager
@@ -118,4 +122,8 @@ def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, t
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     app.include_router(_v1_routes(gateway, TokenNames(tokenizer), api_key, reasoning))
+    app.include_router(responses_routes(gateway, ResponseStore() if responses_store is None else responses_store,
+                                        _json_body, reasoning,
+                                        [Depends(_api_key_check(api_key))]))
+    mount_playground(app)   # the chat page at /
     return app

@@ -4,5 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# The playground's browser test drives headless Chromium (Debian's chromium package); without it that test skips,
+# naming the package. Installed here when this is a root shell with apt-get (CI containers); never fatal.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[test] installing chromium for the playground's browser test"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) \
+        >/dev/null 2>&1 || echo "[test] could not install chromium: tests/test_playground.py will skip"
+fi
 export PATH="$PWD/.venv/bin:$PATH"
 exec .venv/bin/python -m pytest -q "$@"

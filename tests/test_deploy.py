@@ -195,7 +195,41 @@ def test_the_schema_check_is_live():
 
 def test_kustomization_lists_the_manifests():
     kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert set(kust["resources"]) == set(manifests()) - {"hpa.yaml", "prometheus-adapter-rules.yaml"}
+    assert set(kust["resources"]) == set(manifests()) - {"hpa.yaml", "prometheus-adapter-rules.yaml"} | {"../grafana"}
+
+
+GRAFANA = ROOT / "deploy" / "grafana"
+
+
+def dashboard_configmap() -> dict:
+    """The ConfigMap deploy/grafana/kustomization.yaml generates, built as kustomize builds it (one data key per
+    file, named after the file; the generator's labels; no name hash)."""
+    (gen,) = yaml.safe_load((GRAFANA / "kustomization.yaml").read_text())["configMapGenerator"]
+    assert gen["options"]["disableNameSuffixHash"] is True   # a stable name Grafana's sidecar and people can find
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": gen["name"], "labels": gen["options"]["labels"]},
+            "data": {f: (GRAFANA / f).read_text() for f in gen["files"]}}
+
+
+@pytest.mark.parametrize("version", [K8S_VERSION, kubernetes_validate.latest_version()])
+def test_the_grafana_dashboard_ships_as_a_labelled_configmap(version):
+    cm = dashboard_configmap()
+    kubernetes_validate.validate(cm, version, strict=True)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"     # what Grafana's dashboard sidecar selects
+    (name,) = cm["data"]
+    assert name.endswith(".json") and json.loads(cm["data"][name])["uid"] == "qwen3-triton"
+    assert len(json.dumps(cm)) < 1024 * 1024 // 2                     # far from the 1 MiB object limit
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (it builds the kustomization)")
+def test_kubectl_kustomize_builds_the_manifests_with_the_dashboard():
+    out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert cm["metadata"] == dashboard_configmap()["metadata"] and cm["data"] == dashboard_configmap()["data"]
+    assert {d["kind"] for d in docs} == {"ConfigMap", "Deployment", "Service", "PersistentVolumeClaim",
+                                          "PodDisruptionBudget"}
 
 
 def test_the_deployment_service_hpa_and_image_fit_together():

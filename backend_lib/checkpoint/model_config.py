@@ -6,9 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
-
-SUPPORTED_ROPE_TYPES = ("default",)
-
+from .rope import RopeConfig, parse_rope
 
 def read_json(path: Path, what: str) -> dict:
     if not path.is_file():
@@ -40,8 +38,8 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
+    rope: RopeConfig
+    max_position_embeddings: int      # positions served: the rope scaling's (see rope.py), else config.json's
     tie_word_embeddings: bool
     torch_dtype: str
     quantization_config: dict | None
@@ -96,20 +94,7 @@ class ModelConfig:
         if cfg.get("use_sliding_window"):
             raise CheckpointError("config.json: use_sliding_window true is not supported")
 
-        rope = cfg.get("rope_parameters") or {}
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
-        scaling = cfg.get("rope_scaling")
-        rope_type = None
-        field = "rope_scaling"
-        if isinstance(scaling, dict):
-            rope_type = scaling.get("rope_type", scaling.get("type"))
-        elif scaling is not None:
-            raise CheckpointError(f"config.json: rope_scaling must be an object or null, got {scaling!r}")
-        if rope_type is None and rope:
-            rope_type, field = rope.get("rope_type", "default"), "rope_parameters"
-        if rope_type not in (None, *SUPPORTED_ROPE_TYPES):
-            raise CheckpointError(
-                f"config.json: {field}.rope_type {rope_type!r} is not implemented (supported: default)")
+        rope = parse_rope(cfg)
 
         eos = _int_list(gen.get("eos_token_id")) or _int_list(cfg.get("eos_token_id"))
         defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in gen}
@@ -124,8 +109,8 @@ class ModelConfig:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            rope=rope,
+            max_position_embeddings=rope.max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             quantization_config=cfg.get("quantization_config"),

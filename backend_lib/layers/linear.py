@@ -1,7 +1,10 @@
-"""Linear layers: float weights, or A8W8 (int8 per-channel weights, dynamic int8 per-token activations).
+"""Linear layers: float weights, A8W8 (int8 per-channel weights, dynamic int8 per-token activations), or
+W4A16 (int4 weights per group or channel, float activations; checkpoint/int4.py reads the layouts).
 
 Projections that read the same input (q/k/v, gate/up) are fused into one matrix at load; this is
-exact for A8W8 as well, since every output row keeps its own weight scale.
+exact for the quantized kinds as well, since every output row keeps its own scales (and zeros). Int4
+projections whose columns are permuted differently (GPTQ desc_act, each with its own g_idx) cannot share
+one activation gather: they stay separate matrices, concatenated after the matmuls.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointError, QuantScheme, WeightStore
+from ..checkpoint.int4 import Int4Weight, read_int4
 from ..kernels import Kernels
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,12 +51,55 @@ class A8W8Linear(nn.Module):
         return self.kernels.a8w8_linear(x, self.prepared)
 
 
+class W4A16Linear(nn.Module):
+    """Holds the int4 weight only in the kernel set's form (codes packed 8 to a word on the CPU)."""
+
+    def __init__(self, weight: Int4Weight, kernels: Kernels):
+        super().__init__()
+        self.out_features, self.in_features = weight.codes.shape
+        self.kernels = kernels
+        self.prepared = kernels.w4a16_prepare(weight.codes, weight.scales, weight.zeros, weight.perm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.w4a16_linear(x, self.prepared)
+
+
+class ConcatLinear(nn.Module):
+    """Several Linear modules on one input, outputs concatenated (projections that cannot be fused)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def _load_int4(store: WeightStore, names, out_features, in_features, scheme, device, kernels) -> nn.Module:
+    parts = [read_int4(store, name, n_out, in_features, scheme.int4) for name, n_out in zip(names, out_features)]
+    perms = [p.perm for p in parts]
+    same = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(perms, perms[1:]))
+    if not same:
+        return ConcatLinear([W4A16Linear(_to(p, device), kernels) for p in parts])
+    fused = Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                       torch.cat([p.zeros for p in parts]), parts[0].group_size, perms[0])
+    return W4A16Linear(_to(fused, device), kernels)
+
+
+def _to(w: Int4Weight, device) -> Int4Weight:
+    return Int4Weight(w.codes.to(device), w.scales.to(device), w.zeros.to(device), w.group_size,
+                      None if w.perm is None else w.perm.to(device))
+
+
 def load_linear(store: WeightStore, names: list[str], out_features: list[int], in_features: int,
                 scheme: QuantScheme | None, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> nn.Module:
     """Loads the Linear modules `names` (HF module names) fused along the output dimension."""
     quantized = [scheme is not None and scheme.is_quantized(n) for n in names]
     if any(quantized) != all(quantized):
         raise CheckpointError(f"modules {names} must all be quantized or all unquantized to be fused")
+    if quantized[0] and scheme.kind == "w4a16":
+        return _load_int4(store, names, out_features, in_features, scheme, device, kernels)
     if quantized[0]:
         weights, scales = [], []
         for name, n_out in zip(names, out_features):

@@ -13,7 +13,6 @@ from torch import nn
 
 from ..checkpoint import ModelConfig, QuantScheme, WeightStore
 from ..kernels import Kernels
-from ..kernels.reference import rotary_cos_sin
 from ..layers.attention import Qwen3Attention
 from ..layers.linear import FLOAT_DTYPES, FloatLinear, load_linear
 from ..layers.mlp import Qwen3MLP
@@ -50,7 +49,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = nn.Parameter(norm, requires_grad=False)
         self.lm_head = lm_head
-        self.register_buffer("cos_sin", rotary_cos_sin(cfg.head_dim, max_positions, cfg.rope_theta, norm.device),
+        self.register_buffer("cos_sin", cfg.rope.cos_sin(cfg.head_dim, max_positions, norm.device),
                              persistent=False)
 
     @property
@@ -123,5 +122,5 @@ class Qwen3ForCausalLM(nn.Module):
         store.release()
         model = cls(cfg, embed, layers, norm, lm_head, max_positions, kernels)
         log.info("loaded %d layers (%s weights, %s compute) in %.1fs", cfg.num_layers,
-                 "A8W8" if scheme else "float", dtype, time.time() - t0)
+                 scheme.describe() if scheme else "float", dtype, time.time() - t0)
         return model

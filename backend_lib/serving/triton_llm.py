@@ -234,7 +234,12 @@ class TritonLLMModel:
             self._active[rid] = state
             self._by_token[state.abort_token] = state
         if req.return_abort_token:   # before any token: the sender can abort from its first response on
-            self._send(state, abort_token_arrays(state.abort_token), 0)
+            try:
+                self._send(state, abort_token_arrays(state.abort_token), 0)
+            except Exception:   # the client is gone already: nothing to generate for
+                log.info("%s: request %s: its client left before admission", self.name, rid)
+                self._close(state)
+                return
         try:
             self.loop.submit(rid, prompt_ids, params, lambda out, s=state: self._queue.put((s, out)))
         except Exception:

@@ -1,10 +1,13 @@
 """Builds a demo Qwen3 checkpoint: random weights in a real Qwen3 shape, written in the real formats.
 
-    python -m backend_lib.tools.make_demo_checkpoint OUT [--size tiny|0.6b] [--format bf16|a8w8] [--seed N]
+    python -m backend_lib.tools.make_demo_checkpoint OUT [--size tiny|0.6b] [--format bf16|a8w8|w4a16|gptq|awq]
+        [--group-size N (0: channel-wise)] [--asym] [--desc-act] [--seed N]
 
 bf16 is a plain transformers safetensors checkpoint; a8w8 goes through compressed-tensors
 (W8A8 preset: int8 per-channel weights, dynamic int8 per-token activations, lm_head ignored) exactly
-as llmcompressor writes the public *-quantized.w8a8 checkpoints. Both carry the real Qwen vocabulary
+as llmcompressor writes the public *-quantized.w8a8 checkpoints; w4a16 through compressed-tensors too
+(pack-quantized int4 weights, as the *-quantized.w4a16 checkpoints); gptq and awq in those layouts
+(tools/int4_writers.py). Both carry the real Qwen vocabulary
 with Qwen3's special tokens and chat template, and Qwen3's generation_config.json.
 """
 from __future__ import annotations
@@ -85,8 +88,14 @@ def quantize_a8w8(model) -> object:
     return compressor
 
 
+FORMATS = ("bf16", "a8w8", "w4a16", "gptq", "awq")
+
+
 def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0, overwrite: bool = False,
+          group_size: int | None = 32, symmetric: bool = True, desc_act: bool = False, shared_perm: bool = True,
           **config_overrides) -> Path:
+    """group_size (None: channel-wise), symmetric, desc_act: the int4 formats' options (gptq: all three; awq:
+    group_size, always asymmetric; w4a16: group_size and symmetric)."""
     from .qwen_vocab import write_qwen3_tokenizer
 
     out = Path(out)
@@ -104,10 +113,21 @@ def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0,
             compressor = quantize_a8w8(model)
             model.save_pretrained(tmp)
             compressor.update_config(tmp)
+        elif fmt == "w4a16":
+            from .int4_writers import quantize_pack_quantized
+
+            compressor = quantize_pack_quantized(model, group_size, symmetric)
+            model.save_pretrained(tmp)
+            compressor.update_config(tmp)
+        elif fmt in ("gptq", "awq"):
+            from .int4_writers import write_gptq_or_awq
+
+            model.save_pretrained(tmp)
+            write_gptq_or_awq(tmp, fmt, group_size, symmetric, desc_act, seed, shared_perm)
         elif fmt == "bf16":
             model.save_pretrained(tmp)
         else:
-            raise ValueError(f"--format: {fmt!r} is not one of bf16, a8w8")
+            raise ValueError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
         write_qwen3_tokenizer(tmp, config.max_position_embeddings)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -126,13 +146,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    ap.add_argument("--format", choices=["bf16", "a8w8"], default="bf16")
+    ap.add_argument("--format", choices=FORMATS, default="bf16")
+    ap.add_argument("--group-size", type=int, default=32, help="int4 formats: columns per group, 0 channel-wise")
+    ap.add_argument("--asym", action="store_true", help="w4a16 / gptq: asymmetric (zero points)")
+    ap.add_argument("--desc-act", action="store_true", help="gptq: act-order columns (g_idx)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        build(args.out, args.size, args.format, args.seed, args.overwrite)
+        build(args.out, args.size, args.format, args.seed, args.overwrite, args.group_size or None, not args.asym,
+              args.desc_act)
     except (FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

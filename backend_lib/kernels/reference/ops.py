@@ -1,23 +1,14 @@
 """Pure-PyTorch reference kernels: correct on any device, the yardstick for every optimized kernel.
 
-Shapes used throughout (T = tokens in the step, B = sequences in the step):
-  hidden x            [T, K]
-  q / k / v           [T, H, D] / [T, KVH, D] / [T, KVH, D]
-  dense KV cache      K [num_pages, KVH, page_size / KW, D, KW]: blocks of KW keys (32, or 16 when the
-                      page size is not a multiple of 32), transposed, so a vector holds one dimension of
-                      consecutive keys; V [num_pages, KVH, page_size, D]; per layer
-  block_tables        [B, max_pages] int32 (page ids of each sequence, padded)
-  query_start_loc     [B + 1] int32 (row offsets of each sequence's queries in q)
-  seq_lens            [B] int32 (tokens in the cache for the sequence after this step)
-  slot_mapping        [T] int64 (page * page_size + offset where each new K/V row goes)
+Shapes and slot semantics: kernels/contract.py.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..kv_cache.layout import key_blocks_to_rows
-from ..kv_cache.tq_codec import tq_encode, tq_unpack
+from ...kv_cache.layout import key_blocks_to_rows
+from ...kv_cache.tq_codec import tq_encode, tq_unpack
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,11 +25,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def rotary_cos_sin(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
-    """[max_positions, head_dim] fp32 table: cos of the half frequencies, then sin (rotate-half RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float().to(device) / head_dim))
-    t = torch.arange(max_positions, dtype=torch.int64, device=device).float()
-    freqs = torch.outer(t, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    """[max_positions, head_dim] fp32 table of unscaled RoPE: cos of the half frequencies, then sin (rotate-half
+    RoPE). The table of every rope type is built by backend_lib.checkpoint.rope.RopeConfig.cos_sin."""
+    from ...checkpoint.rope import RopeConfig
+
+    return RopeConfig(theta=theta).cos_sin(head_dim, max_positions, device)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,13 +64,22 @@ def quantize_per_token(x: torch.Tensor):
     return q, scale
 
 
+# Every int8 product is at most 128 * 128 = 2**14 in magnitude, so a sum of 1024 of them stays within 2**24,
+# where fp32 holds every integer: an fp32 matmul over K-chunks of 1024 is exact in any summation order (and
+# with TF32 / bf16 / fp16 operands too, which hold every int8 exactly), and the chunks add up in int32.
+# Hand-written because no accelerator has an integer matmul in PyTorch (addmm_cuda is not implemented for
+# Int, torch._int_mm refuses M <= 16 on CUDA), and torch._int_mm on the CPU returns garbage at K = 1.
+EXACT_FP32_CHUNK = 1024
+
+
 def int8_matmul(q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
-    """int8 [M, K] x int8 [N, K]^T -> int32 [M, N], exact int32 accumulation."""
-    if q.device.type == "cpu" and q.shape[-1] > 1:
-        # oneDNN's int8 GEMM (torch 2.13, AVX512-VNNI hosts) returns wrong sums for K == 1 (zeros or garbage);
-        # every other K checked exact against an int64 product
-        return torch._int_mm(q, w_q.t())
-    return (q.to(torch.int32) @ w_q.to(torch.int32).t())
+    """int8 [M, K] x int8 [N, K]^T -> int32 [M, N], exact, with no integer matmul (runs on any device)."""
+    k = q.shape[-1]
+    acc = torch.zeros((q.shape[0], w_q.shape[0]), dtype=torch.int32, device=q.device)
+    for k0 in range(0, k, EXACT_FP32_CHUNK):
+        part = q[:, k0:k0 + EXACT_FP32_CHUNK].float() @ w_q[:, k0:k0 + EXACT_FP32_CHUNK].float().t()
+        acc += part.to(torch.int32)
+    return acc
 
 
 def a8w8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,47 @@
+"""The one contract every kernel set fills: the `Kernels` dataclass, one slot per operation of the Qwen3 forward.
+
+Shapes (T = tokens in the step, B = sequences in the step, H / KVH = query / KV heads, D = head_dim):
+  hidden x            [T, K] in the model dtype
+  q / k / v           [T, H, D] / [T, KVH, D] / [T, KVH, D]
+  dense KV cache      K [num_pages, KVH, page_size / KW, D, KW] (blocks of KW keys, transposed: see
+                      kv_cache/layout.py), V [num_pages, KVH, page_size, D]; one pair per layer
+  TurboQuant cache    K codes [P, KVH, S / KW, D / 2, KW] uint8, V codes [P, KVH, S, D / 2] uint8,
+                      scales [P, KVH, S] fp32 (kv_cache/turboquant.py)
+  block_tables        [B, max_pages] int32 (page ids of each sequence, padded)
+  query_start_loc     [B + 1] int32 (row offsets of each sequence's queries in q)
+  seq_lens            [B] int32 (tokens in the cache for the sequence after this step)
+  slot_mapping        [T] int64 (page * page_size + offset where each new K/V row goes)
+
+Every set is batch invariant: a row's result depends on that row (and its sequence's context) only, never
+on what else shares the step, so chunked prefill, decode and any batch composition give the same bits.
+The A8W8 slots are integer math and must match the reference bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    rms_norm: Callable          # (x, weight, eps) -> normalized x (fp32 math, rounded to x.dtype, times weight)
+    add_rms_norm: Callable      # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
+    qk_norm_rope: Callable      # (qkv, q_w, k_w, positions, cos_sin, H, KVH, eps) -> (q, k, v)
+    silu_mul: Callable          # ([T, 2F] gate | up) -> [T, F] silu(gate) * up
+    a8w8_prepare: Callable      # (w_q int8 [N, K], w_scale fp32 [N]) -> the weight in this kernel set's form
+    a8w8_linear: Callable       # (x, prepared) -> y in x.dtype (per-token int8 activations, int32 accumulation)
+    w4a16_prepare: Callable     # (codes uint8 [N, K] in 0..15, scales fp32 [N, G], zeros fp32 [N, G], perm int64 [K]
+                                #  or None) -> the weight in this kernel set's form (int4 weight-only; G groups of
+                                #  K / G contiguous columns of the perm-ordered weight, checkpoint/int4.py)
+    w4a16_linear: Callable      # (x, prepared) -> y = x[:, perm] ((codes - zeros) * scales)^T in x.dtype, the weight
+                                #  dequantized in fp32 exactly as written, fp32 accumulation
+    float_prepare: Callable     # w [N, K] -> the weight in this kernel set's form
+    float_linear: Callable      # (x, prepared, out_dtype=None) -> y (fp32 accumulation; out_dtype default x.dtype)
+    float_rows: Callable        # (prepared, ids) -> rows of w (a tied embedding reads the lm_head's weight)
+    write_kv: Callable          # (k, v, k_cache, v_cache, slot_mapping) -> None (scatter the step's K/V rows)
+    paged_attention: Callable   # (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale) -> [T, H, D]
+    tq_write: Callable          # (k, v, k_codes, k_scales, v_codes, v_scales, slot_mapping, rotation, centroids,
+                                #  boundaries) -> None (encode and scatter, see kv_cache/tq_codec.py)
+    tq_paged_attention: Callable  # (q, k_codes, k_scales, v_codes, v_scales, block_tables, query_start_loc,
+                                  #  seq_lens, rotation, centroids, scale) -> [T, H, D], in the rotated space

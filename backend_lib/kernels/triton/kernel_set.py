@@ -1,0 +1,35 @@
+"""The Triton kernel set: every slot of the contract through the custom ops of ops.py."""
+from __future__ import annotations
+
+from .. import reference
+from ..contract import Kernels
+from . import ops
+
+
+def _qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads, num_kv_heads, eps):
+    q, k = ops.qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads, num_kv_heads, eps)
+    d = cos_sin.shape[1]
+    v = qkv[:, (num_heads + num_kv_heads) * d:].reshape(qkv.shape[0], num_kv_heads, d)   # a view, as the reference
+    return q, k, v
+
+
+KERNELS = Kernels(
+    name="triton",
+    rms_norm=ops.rms_norm,
+    add_rms_norm=ops.add_rms_norm,
+    qk_norm_rope=_qk_norm_rope,
+    silu_mul=ops.silu_mul,
+    a8w8_prepare=lambda w_q, w_scale: (w_q.contiguous(), w_scale.float().contiguous()),
+    a8w8_linear=lambda x, prepared: ops.a8w8_linear(x, *prepared),
+    # int4 weight-only: the reference (the weight dequantized once at load, one fp32 GEMM), which runs on any
+    # device; a Triton int4 GEMM is not written yet
+    w4a16_prepare=reference.w4a16_prepare,
+    w4a16_linear=reference.w4a16_linear,
+    float_prepare=lambda w: w.contiguous(),
+    float_linear=lambda x, w, out_dtype=None: ops.float_linear(x, w, out_dtype),
+    float_rows=lambda w, ids: w.index_select(0, ids),
+    write_kv=ops.write_kv,
+    paged_attention=ops.paged_attention,
+    tq_write=ops.tq_write,
+    tq_paged_attention=ops.tq_paged_attention,
+)

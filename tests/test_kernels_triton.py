@@ -1,0 +1,183 @@
+"""kernels: triton, proven on the CPU through Triton's interpreter (TRITON_INTERPRET=1): A8W8 bit-exact with the
+reference, the float kernels within tolerance, attention rows bit-identical across whole prompts, chunks, decode
+steps and batches, TurboQuant codes equal to the reference's, and the reference's exact greedy tokens end to end.
+Small shapes: the interpreter runs numpy per program."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"      # before the kernels are defined: they run on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="the triton package is not installed (pip install -e '.[test]')")
+
+from backend_lib.kernels import get_kernels  # noqa: E402
+from backend_lib.kernels import reference as ref  # noqa: E402
+from backend_lib.kv_cache import tq_codec as codec  # noqa: E402
+from helpers import ROOT  # noqa: E402
+from test_kernels import _paged_setup  # noqa: E402
+
+TRI = get_kernels("cpu", "triton")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_the_triton_set_is_selected_and_refuses_a_cpu_without_the_interpreter(monkeypatch):
+    assert TRI.name == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        get_kernels("cpu", "triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", [(37, 101), (9, 1), (130, 67)])
+def test_a8w8_linear_is_bit_exact_with_the_reference_at_every_m(N, K, dtype):
+    g = torch.Generator().manual_seed(N * K)
+    x = (torch.randn(64, K, generator=g) * 5).to(dtype)
+    x[3] = -x[3].abs()                                   # a row whose extreme is negative
+    x[5] = 0                                             # an all-zero row (scale guard)
+    w_q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    w_q[0] = -128
+    w_s = torch.rand(N, generator=g) * 0.01
+    p = TRI.a8w8_prepare(w_q, w_s)
+    for m in (1, 2, 3, 16, 17, 64):
+        got = TRI.a8w8_linear(x[:m], p)
+        assert got.dtype == dtype and torch.equal(got, ref.a8w8_linear(x[:m], w_q, w_s)), m
+
+
+@pytest.mark.parametrize("wd", DTYPES)
+def test_float_linear_keeps_the_weight_dtype_and_rows_are_batch_invariant(wd):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(17, 75, generator=g).to(wd)
+    w = torch.randn(300, 75, generator=g).to(wd)
+    p = TRI.float_prepare(w)
+    assert p.dtype == wd
+    y = TRI.float_linear(x, p, torch.float32)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ref.float_linear(x, w, torch.float32), rtol=1e-5, atol=1e-4)
+    for m in (1, 2, 3, 16):
+        assert torch.equal(TRI.float_linear(x[:m], p, torch.float32), y[:m])
+    assert torch.equal(TRI.float_linear(x[5:6], p, torch.float32)[0], y[5])
+    torch.testing.assert_close(TRI.float_linear(x, p).float(), ref.float_linear(x, w).float(),
+                               rtol=1e-5 if wd == torch.float32 else 1e-2, atol=1e-4)
+    assert torch.equal(TRI.float_rows(p, torch.tensor([4, 0])), w[[4, 0]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_rope_and_silu_match_the_reference(dtype):
+    g = torch.Generator().manual_seed(2)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    x, r = torch.randn(5, 100, generator=g).to(dtype), torch.randn(5, 100, generator=g).to(dtype)
+    w = (torch.rand(100, generator=g) + 0.5).to(dtype)
+    torch.testing.assert_close(TRI.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), **tol)
+    out, h = TRI.add_rms_norm(x, r, w, 1e-6)
+    rout, rh = ref.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h, rh)
+    torch.testing.assert_close(out, rout, **tol)
+    gu = torch.randn(3, 2 * 96, generator=g).to(dtype)
+    torch.testing.assert_close(TRI.silu_mul(gu), ref.silu_mul(gu), **tol)
+    H, KVH, D = 4, 2, 32
+    qkv = torch.randn(5, (H + 2 * KVH) * D, generator=g).to(dtype)
+    qw, kw = (torch.rand(D, generator=g) + .5).to(dtype), (torch.rand(D, generator=g) + .5).to(dtype)
+    pos, cs = torch.tensor([0, 3, 7, 100, 2]), ref.rotary_cos_sin(D, 128, 1e6)
+    got = TRI.qk_norm_rope(qkv, qw, kw, pos, cs, H, KVH, 1e-6)
+    for a, b in zip(got, ref.qk_norm_rope(qkv, qw, kw, pos, cs, H, KVH, 1e-6)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, **tol)
+    assert torch.equal(got[2], ref.qk_norm_rope(qkv, qw, kw, pos, cs, H, KVH, 1e-6)[2])
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_matches_the_reference_across_prefill_chunks_and_decode(dtype, page_size):
+    # decode at 50, a chunk of 20 over 13 cached tokens, a whole prompt of 40, GQA 3:1 (a padded head group)
+    args = _paged_setup(dtype, seq_lens=[50, 33, 40], q_lens=[1, 20, 40], page_size=page_size, kvh=2, h=6, d=32)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(TRI.paged_attention(*args, 0.125).float(), ref.paged_attention(*args, 0.125).float(),
+                               rtol=tol, atol=tol)
+
+
+def test_paged_attention_rows_are_identical_in_prompt_chunk_decode_and_any_batch():
+    q, kc, vc, bt, _, _ = _paged_setup(torch.bfloat16, seq_lens=[45, 45], q_lens=[45, 45], page_size=16, kvh=2, h=4,
+                                       d=32)
+    one_seq = bt[:1]
+    whole = TRI.paged_attention(q[:45], kc, vc, one_seq, torch.tensor([0, 45], dtype=torch.int32),
+                                torch.tensor([45], dtype=torch.int32), 0.1)
+    chunk = TRI.paged_attention(q[30:45], kc, vc, one_seq, torch.tensor([0, 15], dtype=torch.int32),
+                                torch.tensor([45], dtype=torch.int32), 0.1)
+    assert torch.equal(chunk, whole[30:])
+    for pos in (0, 15, 16, 31, 32, 44):     # across key blocks, pages and splits
+        one = TRI.paged_attention(q[pos:pos + 1], kc, vc, one_seq, torch.tensor([0, 1], dtype=torch.int32),
+                                  torch.tensor([pos + 1], dtype=torch.int32), 0.1)
+        assert torch.equal(one[0], whole[pos]), pos
+    # the same decode row next to other sequences (another's chunk before it, a decode after it)
+    mixed = TRI.paged_attention(torch.cat([q[45:50], q[20:21], q[60:61]]), kc, vc, bt[[1, 0, 1]],
+                                torch.tensor([0, 5, 6, 7], dtype=torch.int32),
+                                torch.tensor([30, 21, 16], dtype=torch.int32), 0.1)
+    assert torch.equal(mixed[5], whole[20])
+
+
+def _tq_pages(n, d, page_size=16):
+    pages = -(-n // page_size)
+    kw = page_size
+    return (torch.zeros(pages, 1, page_size // kw, d // 2, kw, dtype=torch.uint8), torch.zeros(pages, 1, page_size),
+            torch.zeros(pages, 1, page_size, d // 2, dtype=torch.uint8), torch.zeros(pages, 1, page_size))
+
+
+@pytest.mark.parametrize("d", [32, 64])
+def test_tq_write_codes_equal_the_reference(d):
+    g = torch.Generator().manual_seed(d)
+    n = 40
+    x = torch.randn(n, 1, d, generator=g)
+    rot = codec.tq_rotation(d, 5)
+    cents, bounds = codec.tq_codebook(d)
+    mine, theirs = _tq_pages(n, d), _tq_pages(n, d)
+    slots = torch.randperm(48, generator=g)[:n]
+    TRI.tq_write(x, x * 2, *mine, slots, rot, cents, bounds)
+    ref.tq_write(x, x * 2, *theirs, slots, rot, cents, bounds)
+    assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[2], theirs[2])
+    assert mine[0].any()
+    torch.testing.assert_close(mine[1], theirs[1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(mine[3], theirs[3], rtol=1e-6, atol=0)
+
+
+def test_tq_attention_matches_the_reference_and_rows_are_invariant():
+    from test_turboquant import _tq_setup
+
+    cache, q, bt, qsl, lens = _tq_setup([50, 33, 40], [1, 20, 40], d=32, kvh=2, h=4, page_size=16)
+    args = (cache.k_codes[0], cache.k_scales[0], cache.v_codes[0], cache.v_scales[0])
+    rot, cents = cache.rotations[0], cache.centroids
+    got = TRI.tq_paged_attention(q, *args, bt, qsl, lens, rot, cents, 0.125)
+    torch.testing.assert_close(got, ref.tq_paged_attention(q, *args, bt, qsl, lens, rot, cents, 0.125),
+                               rtol=1e-4, atol=1e-5)
+    whole = TRI.tq_paged_attention(q[21:61], *args, bt[2:], torch.tensor([0, 40], dtype=torch.int32),
+                                   torch.tensor([40], dtype=torch.int32), rot, cents, 0.1)
+    for pos in (0, 16, 39):
+        one = TRI.tq_paged_attention(q[21 + pos:22 + pos], *args, bt[2:], torch.tensor([0, 1], dtype=torch.int32),
+                                     torch.tensor([pos + 1], dtype=torch.int32), rot, cents, 0.1)
+        assert torch.equal(one[0], whole[pos]), pos
+
+
+PROMPT = "Hello there, how are you doing today? The weather is fine and the sea is calm."
+
+
+def _generate(ckpt, kernels, dtype, kv_cache):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "backend_lib.generate", "--checkpoint", str(ckpt), "--kernels", kernels,
+                           "--dtype", dtype, "--kv-cache", kv_cache, "--page-size", "16",
+                           "--prompt", PROMPT, "--max-tokens", "6",
+                           "--temperature", "0", "--ignore-eos", "--json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["output_ids"]
+
+
+@pytest.mark.parametrize("dtype,kv_cache", [("bfloat16", "bf16"), ("bfloat16", "tq")])
+def test_generate_with_kernels_triton_gives_the_reference_greedy_tokens(a8w8_ckpt, dtype, kv_cache):
+    """The prompt spans two pages (16 tokens each), so decode reads a prefilled page and a page it writes."""
+    got = _generate(a8w8_ckpt, "triton", dtype, kv_cache)
+    assert len(got) == 6 and got == _generate(a8w8_ckpt, "reference", dtype, kv_cache)
