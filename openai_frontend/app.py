@@ -66,15 +66,15 @@ def _v1_routes(gateway: TritonGateway, names: TokenNames, api_key: str | None, r
     @router.post("/completions")
     async def completions(request: Request):
         gen = parse_completion(await _json_body(request))
-        return await respond(request, gateway, gen, CompletionFormat(gen.model, names, gen.include_usage))
+        return await respond(request, gateway, gen, lambda prompt: CompletionFormat(
+            gen.model, names, gen.include_usage, echo=gen.echo, prompt=prompt))
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
         gen = parse_chat(await _json_body(request))
-        fmt = ChatFormat(gen.model, names, gen.include_usage, reasoning=reasoning,
-                         thinking=gen.enable_thinking is not False, include_reasoning=gen.include_reasoning,
-                         parse_tools=gen.tools is not None and gen.tools.parse_calls)
-        return await respond(request, gateway, gen, fmt)
+        return await respond(request, gateway, gen, lambda _prompt: ChatFormat(
+            gen.model, names, gen.include_usage, reasoning=reasoning, thinking=gen.enable_thinking is not False,
+            include_reasoning=gen.include_reasoning, parse_tools=gen.tools is not None and gen.tools.parse_calls))
 
     return router
 

@@ -45,14 +45,24 @@ class ResponseFormat:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.names, self.include_usage = model, names, include_usage
+        self.index = 0                  # the choice this object formats (n > 1, several prompts)
+        self.chunk_usage: dict | None = None   # continuous_usage_stats: the usage so far, on each chunk
+
+    def for_choice(self, index: int, make) -> "ResponseFormat":
+        """A formatter of choice `index` of the same response (own parser state, same id and time)."""
+        other = make()
+        other.id, other.created, other.index = self.id, self.created, index
+        return other
 
     def _envelope(self, object_name: str, choices: list) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
     def chunk(self, choice: dict) -> dict:
-        obj = self._envelope(self.chunk_name, [{"index": 0, **choice}])
-        if self.include_usage:
+        obj = self._envelope(self.chunk_name, [{"index": self.index, **choice}])
+        if self.chunk_usage is not None:
+            obj["usage"] = self.chunk_usage
+        elif self.include_usage:
             obj["usage"] = None
         return obj
 
@@ -60,43 +70,92 @@ class ResponseFormat:
         return {**self._envelope(self.chunk_name, []), "usage": counts}
 
     def whole(self, choice: dict, counts: dict) -> dict:
-        return {**self._envelope(self.object_name, [{"index": 0, **choice}]), "usage": counts}
+        return {**self._envelope(self.object_name, [{"index": self.index, **choice}]), "usage": counts}
+
+    def vllm_prompt_logprobs(self, entries: list[dict], n: int) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank, decoded_token}}
+        holding the prompt token and its top-n alternatives."""
+        out = [None]
+        for e in entries[1:]:
+            d = {str(e["id"]): {"logprob": e["logprob"], "rank": e.get("rank"), "decoded_token": self.names.text(e["id"])}}
+            for r, t in enumerate(e.get("top", [])[:n], 1):
+                d.setdefault(str(t["id"]), {"logprob": t["logprob"], "rank": r, "decoded_token": self.names.text(t["id"])})
+            out.append(d)
+        return out
 
 
 class CompletionFormat(ResponseFormat):
+    """text_completion objects. With `echo`, the prompt comes first (its text; with logprobs, its tokens with
+    their logprobs, the first one null, as OpenAI's legacy API and vLLM do)."""
     object_name = chunk_name = "text_completion"
     prefix = "cmpl"
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, echo: bool = False, prompt=None, **kw):
         super().__init__(*args, **kw)
         self._offset = 0   # text_offset of the next token
+        self.echo, self.prompt = echo, prompt
+        self._echoed = False
 
-    def logprobs(self, entries: list[dict]) -> dict:
+    def prompt_text(self, entries: list[dict] | None) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        ids = self.prompt or [e["id"] for e in entries or []]
+        return b"".join(self.names.bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def logprobs(self, entries: list[dict], top_n: int | None = None) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             token = self.names.text(e["id"])
             out["tokens"].append(token)
             out["token_logprobs"].append(e["logprob"])
-            out["top_logprobs"].append({self.names.text(t["id"]): t["logprob"] for t in e.get("top", [])})
+            if e["logprob"] is None:   # the prompt's first token: no context, no distribution
+                out["top_logprobs"].append(None)
+            else:
+                top = {self.names.text(t["id"]): t["logprob"] for t in e.get("top", [])[:top_n]}
+                if top_n is not None:   # a prompt token: itself among its alternatives, as vLLM's echo
+                    top.setdefault(token, e["logprob"])
+                out["top_logprobs"].append(top)
             out["text_offset"].append(self._offset)
             self._offset += len(token)
         return out
 
+    def _echo_logprobs(self, prompt_entries, n: int | None) -> dict:
+        lp = self.logprobs(prompt_entries or [], n)
+        return lp
+
     def first_chunks(self) -> list[dict]:
         return []
 
-    def delta_chunks(self, delta: Delta, with_logprobs: bool) -> list[dict]:
+    def delta_chunks(self, delta: Delta, with_logprobs: bool, top_n: int | None = None) -> list[dict]:
+        chunks = []
+        if self.echo and not self._echoed and (delta.ids or delta.final):
+            self._echoed = True
+            lp = self._echo_logprobs(delta.prompt_logprobs, top_n) if with_logprobs else None
+            chunks.append(self.chunk({"text": self.prompt_text(delta.prompt_logprobs), "logprobs": lp,
+                                      "finish_reason": None}))
         if not delta.text and not (with_logprobs and delta.logprobs):
-            return []
+            return chunks
         lp = self.logprobs(delta.logprobs) if with_logprobs else None
-        return [self.chunk({"text": delta.text, "logprobs": lp, "finish_reason": None})]
+        return chunks + [self.chunk({"text": delta.text, "logprobs": lp, "finish_reason": None})]
 
     def final_chunks(self, reason: str) -> list[dict]:
         return [self.chunk({"text": "", "logprobs": None, "finish_reason": reason})]
 
-    def result(self, text: str, entries: list[dict] | None, reason: str, counts: dict) -> dict:
-        lp = self.logprobs(entries) if entries is not None else None
-        return self.whole({"text": text, "logprobs": lp, "finish_reason": reason}, counts)
+    def result(self, text: str, entries: list[dict] | None, reason: str, counts: dict,
+               prompt_entries: list[dict] | None = None, top_n: int | None = None,
+               prompt_logprobs: int | None = None) -> dict:
+        lp = None
+        if self.echo:
+            if entries is not None:
+                lp = self._echo_logprobs(prompt_entries, top_n)
+            text = self.prompt_text(prompt_entries) + text
+        if entries is not None:
+            gen_lp = self.logprobs(entries)
+            lp = gen_lp if lp is None else {k: lp[k] + gen_lp[k] for k in lp}
+        choice = {"text": text, "logprobs": lp, "finish_reason": reason}
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompt_entries or [], prompt_logprobs)
+        return self.whole(choice, counts)
 
 
 class ChatFormat(ResponseFormat):
@@ -149,7 +208,7 @@ class ChatFormat(ResponseFormat):
         return [self.chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})]
 
-    def delta_chunks(self, delta: Delta, with_logprobs: bool) -> list[dict]:
+    def delta_chunks(self, delta: Delta, with_logprobs: bool, top_n: int | None = None) -> list[dict]:
         parts = self._parsed(delta.text, False) if delta.text else []
         if with_logprobs and delta.logprobs:   # the token's logprobs ride on its first part
             parts = parts or [{"content": ""}]
@@ -161,7 +220,9 @@ class ChatFormat(ResponseFormat):
         tail = [self.chunk({"delta": p, "logprobs": None, "finish_reason": None}) for p in self._parsed("", True)]
         return tail + [self.chunk({"delta": {}, "logprobs": None, "finish_reason": self.reason(reason)})]
 
-    def result(self, text: str, entries: list[dict] | None, reason: str, counts: dict) -> dict:
+    def result(self, text: str, entries: list[dict] | None, reason: str, counts: dict,
+               prompt_entries: list[dict] | None = None, top_n: int | None = None,
+               prompt_logprobs: int | None = None) -> dict:
         lp = self.logprobs(entries) if entries is not None else None
         reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
         message = {"role": "assistant", "content": content, "refusal": None}

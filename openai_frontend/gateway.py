@@ -30,6 +30,7 @@ class Delta:
     finish_reason: str | None = None
     num_input_tokens: int = 0
     final: bool = False
+    prompt_logprobs: list[dict] | None = None   # every prompt token's entry (prompt_logprobs), once
 
 
 def _transport_error(exc: Exception) -> APIError:
@@ -55,8 +56,10 @@ def _delta(result) -> Delta:
 
     reason = first("finish_reason", None)
     logprobs = result.as_numpy("logprobs")
+    plp = result.as_numpy("prompt_logprobs")
     return Delta(text, ids, [json.loads(x) for x in logprobs] if logprobs is not None else [],
-                 reason.decode() if reason is not None else None, int(first("num_input_tokens")), is_final(result))
+                 reason.decode() if reason is not None else None, int(first("num_input_tokens")), is_final(result),
+                 [json.loads(x) for x in plp] if plp is not None else None)
 
 
 def is_llm_config(config: dict) -> bool:

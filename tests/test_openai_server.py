@@ -5,6 +5,8 @@ import json
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +19,7 @@ from openai import OpenAI
 from backend_lib.sampling.params import bad_words_token_ids
 from backend_lib.tokenizer import Tokenizer
 from client.stream import stream_generate
-from helpers import tokenizer_model
+from helpers import ROOT, tokenizer_model
 from harness.openai_front import Front
 from harness.triton_server import free_port
 
@@ -208,14 +210,13 @@ def test_raw_server_sent_events_format(front):
 # ----- errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind, fields, param", [
     ("completion", {"temperature": -1}, "temperature"),
-    ("completion", {"n": 2}, "n"),
+    ("completion", {"n": 20}, "n"),
     ("completion", {"top_p": 1.5}, "top_p"),
     ("completion", {"max_tokens": 0}, "max_tokens"),
     ("completion", {"max_tokens": 100000}, "max_tokens"),   # the LLM model's own limit (INVALID_ARG)
-    ("completion", {"prompt": ["one", "two"]}, "prompt"),
     ("completion", {"prompt": None}, "prompt"),
     ("completion", {"extra_body": {"temperature": "hot"}}, "temperature"),
-    ("chat", {"n": 3}, "n"),
+    ("chat", {"n": 30}, "n"),
     ("chat", {"messages": None}, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
@@ -270,7 +271,7 @@ def _post(front, kind: str, fields: dict, stream: bool = False, **kw) -> request
     ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
     ("completion", {"max_tokens": 2.5}, "max_tokens"),
     # vLLM/OpenAI fields accepted only with their neutral value
-    ("completion", {"n": 2}, "n"),
+    ("completion", {"n": 2**31}, "n"),
     ("chat", {"n": True}, "n"),
     ("completion", {"best_of": 3}, "best_of"),
     ("chat", {"logit_bias": {"15": 100.5}}, "logit_bias"),
@@ -278,7 +279,7 @@ def _post(front, kind: str, fields: dict, stream: bool = False, **kw) -> request
     ("completion", {"logit_bias": {"x": 1}}, "logit_bias"),
     ("chat", {"allowed_token_ids": [2**31]}, "allowed_token_ids"),
     ("completion", {"bad_words": ["x"] * 1000}, "bad_words"),
-    ("completion", {"echo": True}, "echo"),
+    ("completion", {"echo": "yes"}, "echo"),
     ("chat", {"use_beam_search": True}, "use_beam_search"),
     ("completion", {"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
 ])
@@ -715,3 +716,101 @@ def test_a_schema_that_does_not_compile_never_touches_the_requests_beside_it(tri
         assert all(b.result() in ("ok", 400) for b in bads)
     assert bads[0].result() == 400
     assert triton.model_ready("qwen3_a8w8")
+
+
+# ----- scoring, several prompts, n -------------------------------------------------------------------
+SCORE_IDS = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]
+
+
+@pytest.fixture(scope="module")
+def scored(a8w8_ckpt):
+    proc = subprocess.run([sys.executable, "-m", "backend_lib.score", "--checkpoint", str(a8w8_ckpt), "--ids",
+                           ",".join(map(str, SCORE_IDS)), "--dtype", "bfloat16", "--page-size", "16", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])["logprobs"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_backend_lib_score(client, tok, scored):
+    # what lm-eval's local-completions sends for loglikelihood: echo, logprobs 1, max_tokens 1, a batch of ids
+    r = client.completions.create(model="qwen3_a8w8", prompt=[SCORE_IDS, SCORE_IDS[:6]], echo=True, logprobs=1,
+                                  max_tokens=1, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, ids in zip(r.choices, [SCORE_IDS, SCORE_IDS[:6]]):
+        lp = c.logprobs
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == scored[1:len(ids)]   # exactly
+        assert lp.tokens[:len(ids)] == [tok.decode([i], skip_special_tokens=False) for i in ids]
+        assert c.text.startswith(tok.decode(ids, skip_special_tokens=False))
+        assert all(lp.tokens[k] in lp.top_logprobs[k] for k in range(1, len(ids)))
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert r.usage.prompt_tokens == len(SCORE_IDS) + 6 and r.usage.completion_tokens == 2
+    # streamed: the prompt comes first, then the tokens
+    chunks = list(client.completions.create(model="qwen3_a8w8", prompt=SCORE_IDS, echo=True, logprobs=1,
+                                            max_tokens=1, temperature=0, stream=True))
+    streamed = [lp for ch in chunks for lp in (ch.choices[0].logprobs.token_logprobs
+                                                if ch.choices and ch.choices[0].logprobs else [])]
+    assert streamed == r.choices[0].logprobs.token_logprobs
+    # vLLM's prompt_logprobs
+    v = _post_raw(client, {"prompt": SCORE_IDS, "prompt_logprobs": 2, "max_tokens": 1, "temperature": 0})
+    plp = v["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and [plp[k][str(SCORE_IDS[k])]["logprob"] for k in range(1, 10)] == scored[1:]
+    assert all(2 <= len(d) <= 3 for d in plp[1:])
+
+
+def _post_raw(client, fields, path="completions"):
+    r = requests.post(f"{str(client.base_url).rstrip('/')}/{path}", json={"model": "qwen3_a8w8", **fields},
+                      timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_several_prompts_and_n_choices_equal_their_single_requests(client):
+    prompts = [PROMPT, "Once upon a time", [9707, 11, 1879]]
+    single = [client.completions.create(model="qwen3_a8w8", prompt=p, max_tokens=5, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    r = client.completions.create(model="qwen3_a8w8", prompt=prompts, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == single
+    # n: seeded choices j = the request with seed + j (reproducible), streamed with their index
+    seeded = dict(model="qwen3_a8w8", max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=PROMPT, n=3, **seeded)
+    again = client.completions.create(prompt=PROMPT, n=3, **seeded)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    for j, c in enumerate(r.choices):
+        one = client.completions.create(prompt=PROMPT, **{**seeded, "seed": 11 + j})
+        assert c.index == j and c.text == one.choices[0].text
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == one.usage.prompt_tokens
+    chunks = list(client.completions.create(prompt=PROMPT, n=3, stream=True, stream_options={"include_usage": True},
+                                            **seeded))
+    texts = {}
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {j: c.text for j, c in enumerate(r.choices)}
+    assert chunks[-1].usage.completion_tokens == 18
+    chat = client.chat.completions.create(model="qwen3_a8w8", messages=MESSAGES, n=2, max_tokens=4, temperature=1.0,
+                                          seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": ["x"] * 10**4}, "prompt"), ({"n": 17}, "n"), ({"n": 0}, "n"), ({"n": True}, "n"),
+    ({"prompt": ["x"] * 20, "n": 16}, "prompt"), ({"prompt": ["ok", ""]}, "prompt"), ({"prompt": ["ok", [-1]]}, "prompt"),
+    ({"stream": True, "prompt_logprobs": 0}, "prompt_logprobs"), ({"echo": 1}, "echo"),
+    ({"stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
+])
+def test_hostile_batches_fail_alone_naming_the_field(triton, front, fields, param):
+    before = triton.metric("vllm:prompt_tokens_total", "qwen3_a8w8")
+    r = _post(front, "completion", fields)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert triton.metric("vllm:prompt_tokens_total", "qwen3_a8w8") == before
+
+
+def test_continuous_usage_stats_on_every_chunk(client):
+    chunks = list(client.completions.create(model="qwen3_a8w8", prompt=PROMPT, max_tokens=4, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks if ch.choices and ch.choices[0].text]
+    assert counts == [1, 2, 3, 4]

@@ -28,11 +28,12 @@ def test_prompt_logprobs_equal_score_exactly_alone_and_batched(bf16_engine):
         assert batched[1] == alone, "prompt logprobs depend on the batch"
         assert alone["output_ids"] == plain["output_ids"], "asking for prompt logprobs changed the tokens"
         plp = alone["prompt_logprobs"]
-        assert plp[0] is None and len(plp) == len(ids)
+        assert plp[0] == {"id": ids[0], "logprob": None, "rank": None, "top": []} and len(plp) == len(ids)
         assert [e["id"] for e in plp[1:]] == ids[1:]
         assert [e["logprob"] for e in plp[1:]] == scored[1:]   # exactly: the same numbers
         for e, best in zip(plp[1:], top1):
             assert len(e["top"]) == k
+            assert (e["rank"] == 1) == (e["id"] == best)
             if k:
                 assert e["top"][0]["id"] == best and e["top"][0]["logprob"] >= e["logprob"]
         assert batched[0]["output_ids"] == eng.generate([OTHER], _params(eng))[0]["output_ids"]

@@ -233,7 +233,7 @@ def test_prompt_logprobs_output_equals_score_and_masks_apply(triton, a8w8_ckpt, 
     carrying = [r for r in rs if r.as_numpy("prompt_logprobs") is not None]
     assert len(carrying) == 1 and carrying[0].as_numpy("output_ids").size > 0   # once, with the first token
     plp = [json.loads(x) for x in carrying[0].as_numpy("prompt_logprobs")]
-    assert plp[0] is None and [e["id"] for e in plp[1:]] == ids[1:] and all(len(e["top"]) == 2 for e in plp[1:])
+    assert plp[0] == {"id": ids[0], "logprob": None, "rank": None, "top": []} and [e["id"] for e in plp[1:]] == ids[1:] and all(len(e["top"]) == 2 for e in plp[1:])
     assert [e["logprob"] for e in plp[1:]] == scored[1:]
     got = [int(i) for r in rs for i in r.as_numpy("output_ids")]
     assert got == [i for _, ids_, _ in plain for i in ids_]   # the tokens are those of the request without it

@@ -100,8 +100,11 @@ class ModelRunner:
                     if t < done or t >= num_prompt:
                         continue
                     tok = seq.prompt_ids[t]
-                    seq.prompt_logprobs.append({"id": tok, "logprob": logp[i, tok].item(), "top": [] if top is None else [
-                        {"id": j, "logprob": v} for j, v in zip(top.indices[i].tolist(), top.values[i].tolist())]})
+                    lp = logp[i, tok]
+                    seq.prompt_logprobs.append({
+                        "id": tok, "logprob": lp.item(), "rank": int((logp[i] > lp).sum()) + 1,
+                        "top": [] if top is None else [{"id": j, "logprob": v} for j, v in
+                                                       zip(top.indices[i].tolist(), top.values[i].tolist())]})
             except Exception as exc:
                 seq.failure = f"prompt_logprobs: computing them failed ({exc})"
 

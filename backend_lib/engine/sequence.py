@@ -37,8 +37,10 @@ class Sequence:
         self.grammar = grammar                 # structured output: a GrammarState, or None
         self.finish_reason: str | None = None
         self.failure: str | None = None        # a per-request fault found outside sampling (fails it alone)
-        # prompt_logprobs: one entry per prompt token (the first None), filled during the prefill
-        self.prompt_logprobs: list[dict | None] = [None] if params.prompt_logprobs is not None else []
+        # prompt_logprobs: one entry per prompt token, filled during the prefill; the first has no context
+        # (logprob None) and is there to name the token
+        self.prompt_logprobs: list[dict] = [] if params.prompt_logprobs is None else [
+            {"id": self.prompt_ids[0], "logprob": None, "rank": None, "top": []}]
         self.prompt_logprobs_sent = False
         self.cache_root: bytes | None = None   # prefix caching on: the root of this request's page hashes
         self.page_hashes: list[bytes] = []     # hashes of the first full pages of `tokens` (a chain)

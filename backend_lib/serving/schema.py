@@ -100,8 +100,8 @@ LLM_OUTPUTS: tuple[Field, ...] = (
     _f("abort_token", "TYPE_STRING", [-1], "output",
        "return_abort_token: the request's abort capability, in its first response only"),
     _f("prompt_logprobs", "TYPE_STRING", [-1], "output",
-       "sampling_parameters.prompt_logprobs: per prompt token, JSON null (the first) or {id, logprob, top: "
-       "[{id, logprob}]}, in the first response with a token"),
+       "sampling_parameters.prompt_logprobs: per prompt token, JSON {id, logprob, rank, top: [{id, logprob}]} "
+       "(the first token's logprob and rank null), in the first response with a token"),
 )
 
 # Inputs and outputs of the tokenizer model (qwen3_tokenizer), the first step of the ensembles.
