@@ -20,6 +20,7 @@ from .params import parse_chat, parse_completion
 from .playground import mount_playground
 from .responses_api import responses_routes
 from .responses_store import ResponseStore
+from .tokenize_api import ModelTokenizers, tokenize_routes
 
 log = logging.getLogger("openai_frontend")
 
@@ -125,5 +126,7 @@ def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, t
     app.include_router(responses_routes(gateway, ResponseStore() if responses_store is None else responses_store,
                                         _json_body, reasoning,
                                         [Depends(_api_key_check(api_key))]))
+    app.include_router(tokenize_routes(gateway, ModelTokenizers(gateway, tokenizer), _json_body,
+                                       [Depends(_api_key_check(api_key))]))
     mount_playground(app)   # the chat page at /
     return app

@@ -16,22 +16,36 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:   # OpenAI's: the prompt tokens the prefix cache served
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 class TokenNames:
-    """Token strings for logprobs: the tokenizer's bytes of each id, or "token_id:<id>" without one."""
+    """Token strings for logprobs: the tokenizer's bytes of each id (--tokenizer), else the text the LLM
+    model sent with the id (its decoded_token, from the model's own tokenizer), learned as entries pass."""
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
+        self._learned: dict[int, bytes] = {}
+
+    def learn(self, entries) -> None:
+        if self.tokenizer is not None:
+            return
+        for e in entries or []:
+            for t in [e, *e.get("top", [])]:
+                text = t.get("text", t.get("decoded_token"))
+                if isinstance(text, str) and not text.startswith("token_id:"):
+                    self._learned[t["id"]] = text.encode()
 
     def bytes(self, token_id: int) -> bytes:
         table = self.tokenizer.token_bytes if self.tokenizer is not None else None
         if table is not None and 0 <= token_id < len(table):
             return table[token_id]
-        return f"token_id:{token_id}".encode()
+        return self._learned.get(token_id) or f"token_id:{token_id}".encode()
 
     def text(self, token_id: int) -> str:
         return self.bytes(token_id).decode("utf-8", errors="replace")
@@ -75,6 +89,7 @@ class ResponseFormat:
     def vllm_prompt_logprobs(self, entries: list[dict], n: int) -> list:
         """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank, decoded_token}}
         holding the prompt token and its top-n alternatives."""
+        self.names.learn(entries)
         out = [None]
         for e in entries[1:]:
             d = {str(e["id"]): {"logprob": e["logprob"], "rank": e.get("rank"), "decoded_token": self.names.text(e["id"])}}
@@ -103,6 +118,7 @@ class CompletionFormat(ResponseFormat):
         return b"".join(self.names.bytes(i) for i in ids).decode("utf-8", errors="replace")
 
     def logprobs(self, entries: list[dict], top_n: int | None = None) -> dict:
+        self.names.learn(entries)
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             token = self.names.text(e["id"])
@@ -180,8 +196,8 @@ class ChatFormat(ResponseFormat):
         out = []
         r, c = (self._reasoning_stream.finish() if final else self._reasoning_stream.feed(text)) \
             if self._reasoning_stream else ("", text)
-        if r and self.include_reasoning:
-            out.append({"reasoning_content": r})
+        if r and self.include_reasoning:   # current vLLM's name and the older one: clients read either
+            out.append({"reasoning": r, "reasoning_content": r})
         if self._tool_stream is not None:
             parts = self._tool_stream.feed(c) if c else []
             if final:
@@ -200,6 +216,7 @@ class ChatFormat(ResponseFormat):
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
     def logprobs(self, entries: list[dict]) -> dict:
+        self.names.learn(entries)
         return {"content": [{**self._entry(e["id"], e["logprob"]),
                              "top_logprobs": [self._entry(t["id"], t["logprob"]) for t in e.get("top", [])]}
                             for e in entries], "refusal": None}
@@ -227,7 +244,7 @@ class ChatFormat(ResponseFormat):
         reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
         message = {"role": "assistant", "content": content, "refusal": None}
         if self.reasoning and self.include_reasoning:
-            message["reasoning_content"] = reasoning
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if self.parse_tools and content:
             content, calls = tool_calls.parse(content)
             if calls:

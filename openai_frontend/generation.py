@@ -33,12 +33,14 @@ class Tally:
     entries: list[dict] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finish_reason: str | None = None
 
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
         self.entries.extend(delta.logprobs)
         self.prompt_tokens = max(self.prompt_tokens, delta.num_input_tokens)
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         self.completion_tokens += len(delta.ids)
         self.finish_reason = delta.finish_reason or self.finish_reason
 
@@ -48,7 +50,7 @@ class Tally:
 
     @property
     def usage(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens)
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
 class SSEResponse(StreamingResponse):
@@ -120,7 +122,15 @@ class Choice:
 def _summed(choices: list[Choice], n: int) -> dict:
     """OpenAI's usage of several choices: each prompt counted once (not per choice), every completion token."""
     prompt = sum(c.tally.prompt_tokens for i, c in enumerate(choices) if i % n == 0)
-    return usage(prompt, sum(c.tally.completion_tokens for c in choices))
+    cached = sum(c.tally.cached_tokens for i, c in enumerate(choices) if i % n == 0)
+    return usage(prompt, sum(c.tally.completion_tokens for c in choices), cached)
+
+
+def _keep_top(delta: Delta, n: int | None) -> Delta:
+    """The top-n alternatives of each token's logprobs (the model lists the sampled token beside them)."""
+    for e in delta.logprobs:
+        e["top"] = e.get("top", [])[:n or 0]
+    return delta
 
 
 async def _merged(choices: list[Choice]):
@@ -162,6 +172,7 @@ async def _events(gen: Generation, choices: list[Choice]):
     try:
         async for i, delta in _merged(choices):
             c = choices[i]
+            _keep_top(delta, gen.logprobs)
             c.tally.add(delta)
             if gen.continuous_usage:
                 c.fmt.chunk_usage = _summed(choices, gen.n)
@@ -182,7 +193,7 @@ async def _events(gen: Generation, choices: list[Choice]):
 async def _whole(gen: Generation, choices: list[Choice]) -> dict:
     async def run(c: Choice):
         async for delta in c.deltas:
-            c.tally.add(delta)
+            c.tally.add(_keep_top(delta, gen.logprobs))
             if delta.prompt_logprobs is not None:
                 c.prompt_entries = delta.prompt_logprobs
 

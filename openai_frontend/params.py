@@ -65,6 +65,7 @@ class Generation:
         return build_inputs(None if ids is not None else prompt, ids, stream=True,
                             sampling_parameters=sampling or None, stop_words=self.stop,
                             return_finish_reason=True, return_num_input_tokens=True, return_abort_token=True,
+                            return_num_cached_tokens=True,
                             return_logprobs=self.logprobs is not None or None,
                             **fields)
 

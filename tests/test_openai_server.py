@@ -427,7 +427,7 @@ def test_sigterm_aborts_the_fronts_streams_and_exits_within_seconds_with_a_slow_
     the front exits within seconds although one client stopped reading; Triton's requests end too."""
     model = "qwen3_tq"
     own = Front(triton.grpc_url, tmp_path / "front.log")
-    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
                        "stream": True}).encode()
     slow = socket.create_connection(("127.0.0.1", own.port))   # sends its request, then never reads
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -563,12 +563,16 @@ def test_cache_salt_reaches_the_prefix_cache(triton, client):
     prompt = "Shared context for every tenant. " * 10
     hits = lambda: triton.metric("vllm:prefix_cache_hits_total", m)  # noqa: E731
     kw = dict(model=m, prompt=prompt, max_tokens=4, temperature=0)
-    a = client.completions.create(**kw, extra_body={"cache_salt": "a"}).choices[0].text
+    first = client.completions.create(**kw, extra_body={"cache_salt": "a"})
+    a = first.choices[0].text
     h0 = hits()
-    assert client.completions.create(**kw, extra_body={"cache_salt": "b"}).choices[0].text == a
+    other = client.completions.create(**kw, extra_body={"cache_salt": "b"})
+    assert other.choices[0].text == a and other.usage.prompt_tokens_details.cached_tokens == 0
     assert hits() == h0                                       # another salt shares nothing
-    assert client.completions.create(**kw, extra_body={"cache_salt": "a"}).choices[0].text == a
-    assert hits() > h0
+    again = client.completions.create(**kw, extra_body={"cache_salt": "a"})
+    assert again.choices[0].text == a
+    assert hits() - h0 == again.usage.prompt_tokens_details.cached_tokens > 0   # usage reports the cache hit
+    assert again.usage.prompt_tokens_details.cached_tokens % 16 == 0 < again.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.completions.create(**kw, extra_body={"cache_salt": 5})
 
@@ -814,3 +818,45 @@ def test_continuous_usage_stats_on_every_chunk(client):
                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [ch.usage.completion_tokens for ch in chunks if ch.choices and ch.choices[0].text]
     assert counts == [1, 2, 3, 4]
+
+
+# ----- tokenize, detokenize, token strings without --tokenizer ----------------------------------------
+def test_tokenize_and_detokenize_in_vllms_shapes(triton, front, keyed_front, tok):
+    def post(server, path, body, key=None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return requests.post(f"{server.url}/{path}", json=body, headers=headers, timeout=60)
+
+    r = post(front, "tokenize", {"model": "qwen3_a8w8", "prompt": PROMPT, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode(PROMPT) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 1024 and "".join(body["token_strs"]) == PROMPT
+    chat = post(front, "tokenize", {"model": "qwen3_a8w8", "messages": MESSAGES,
+                                    "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert chat["tokens"] == template_ids(triton, MESSAGES, False)
+    back = post(front, "detokenize", {"model": "qwen3_a8w8", "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": PROMPT}
+    # without --tokenizer: the model's own checkpoint's tokenizer
+    keyed = post(keyed_front, "detokenize", {"model": "qwen3_a8w8", "tokens": body["tokens"]}, API_KEY)
+    assert keyed.status_code == 200 and keyed.json() == {"prompt": PROMPT}
+    assert post(keyed_front, "detokenize", {"model": "qwen3_a8w8", "tokens": [1]}).status_code == 401
+    for path, fields, param in [("tokenize", {"prompt": PROMPT, "bogus": 1}, "bogus"),
+                                ("tokenize", {}, "prompt"), ("tokenize", {"prompt": PROMPT, "messages": MESSAGES}, "prompt"),
+                                ("detokenize", {"tokens": [-1]}, "tokens"), ("detokenize", {"tokens": [10**8]}, "tokens"),
+                                ("detokenize", {"tokens": "1 2"}, "tokens")]:
+        bad = post(front, path, {"model": "qwen3_a8w8", **fields})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, fields, bad.text)
+
+
+def test_logprob_token_strings_are_real_without_a_tokenizer(keyed_front, tok):
+    client = keyed_front.client(API_KEY)
+    r = client.completions.create(model="qwen3_a8w8", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                  echo=True)
+    lp = r.choices[0].logprobs
+    assert not any(t.startswith("token_id:") for t in lp.tokens)
+    assert lp.tokens[:len(tok.encode(PROMPT))] == [tok.decode([i], skip_special_tokens=False)
+                                                   for i in tok.encode(PROMPT)]
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    chat = client.chat.completions.create(model="qwen3_a8w8", messages=MESSAGES, max_tokens=3, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    assert all(not e.token.startswith("token_id:") and len(e.top_logprobs) == 2 for e in chat.choices[0].logprobs.content)

@@ -233,7 +233,9 @@ def test_prompt_logprobs_output_equals_score_and_masks_apply(triton, a8w8_ckpt, 
     carrying = [r for r in rs if r.as_numpy("prompt_logprobs") is not None]
     assert len(carrying) == 1 and carrying[0].as_numpy("output_ids").size > 0   # once, with the first token
     plp = [json.loads(x) for x in carrying[0].as_numpy("prompt_logprobs")]
-    assert plp[0] == {"id": ids[0], "logprob": None, "rank": None, "top": []} and [e["id"] for e in plp[1:]] == ids[1:] and all(len(e["top"]) == 2 for e in plp[1:])
+    assert {k: plp[0][k] for k in ("id", "logprob", "rank", "top")} == {"id": ids[0], "logprob": None, "rank": None,
+                                                                         "top": []}
+    assert [e["id"] for e in plp[1:]] == ids[1:] and all(len(e["top"]) == 2 for e in plp[1:])
     assert [e["logprob"] for e in plp[1:]] == scored[1:]
     got = [int(i) for r in rs for i in r.as_numpy("output_ids")]
     assert got == [i for _, ids_, _ in plain for i in ids_]   # the tokens are those of the request without it
@@ -243,3 +245,36 @@ def test_prompt_logprobs_output_equals_score_and_masks_apply(triton, a8w8_ckpt, 
     bad = collect(triton.grpc_url, "qwen3_a8w8", input_ids=ids, max_tokens=4,
                   sampling_parameters={"logit_bias": {"99999999": 1}})
     assert bad[-1][0] == "ERROR" and "logit_bias" in bad[-1][1]
+
+
+def test_vllm_backend_outputs_mean_what_vllm_backend_documents(triton):
+    """num_output_tokens: this response's count; logprobs: one JSON list per response of {id: {logprob, rank,
+    decoded_token}}; return_cumulative_logprob; top_k -1; min_length (TRT-LLM); exclude_input_in_output
+    false with stream refused; max_tokens beyond the context refused."""
+    rs = _responses(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, return_num_output_tokens=True,
+                    return_logprobs=True, sampling_parameters={"max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                                                               "logprobs": 2, "top_k": -1})
+    tokens = [r for r in rs if r.as_numpy("output_ids").size]
+    assert [int(r.as_numpy("num_output_tokens")[0]) for r in tokens] == [1] * 5
+    total = 0.0
+    for r in tokens:
+        (lp,) = [json.loads(x) for x in r.as_numpy("logprobs")]
+        (entry,) = lp
+        tid = int(r.as_numpy("output_ids")[0])
+        first = next(iter(entry))
+        assert first == str(tid) and entry[first]["rank"] == 1   # greedy: the sampled token is the most likely
+        assert entry[first]["decoded_token"] and not entry[first]["decoded_token"].startswith("token_id:")
+        assert len(entry) == 2 and sorted(v["rank"] for v in entry.values()) == [1, 2]
+        total += entry[first]["logprob"]
+        cum = float(r.as_numpy("cumulative_logprob")[0])
+    assert abs(cum - total) < 1e-3
+    only_cum = _responses(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, return_cumulative_logprob=True,
+                          sampling_parameters={"max_tokens": 3, "temperature": 0})
+    assert only_cum[-1].as_numpy("cumulative_logprob").size == 1 and only_cum[-1].as_numpy("logprobs") is None
+    base = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=4, **GREEDY)
+    assert collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=4, min_length=4, **GREEDY) == base
+    refused = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=4, exclude_input_in_output=False,
+                      **GREEDY)
+    assert refused[-1][0] == "ERROR" and "exclude_input_in_output" in refused[-1][1]
+    long = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=1020, **GREEDY)
+    assert long[-1][0] == "ERROR" and "max_tokens" in long[-1][1] and "exceeds" in long[-1][1]

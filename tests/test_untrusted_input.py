@@ -283,3 +283,23 @@ def test_token_masks_and_prompt_logprobs_reach_sampling_from_every_place():
     assert parse_request({**base, **sp}, None).sampling == {"logit_bias": {"5": 2}}
     with pytest.raises(RequestError, match="logit_bias"):
         parse_request({**base, **sp}, json.dumps({"logit_bias": {"5": 3}}))   # given twice, different values
+
+
+def test_vllm_backend_and_trt_llm_dialect_fields():
+    from backend_lib.serving.request import parse_request
+    text = {"text_input": np.array([b"hi"], dtype=np.object_)}
+    flag = lambda v: np.array([v], dtype=bool)   # noqa: E731
+    with pytest.raises(RequestError, match="exclude_input_in_output"):   # vllm_backend refuses it too
+        parse_request({**text, "stream": flag(True), "exclude_input_in_output": flag(False)}, None)
+    with pytest.raises(RequestError, match="exclude_input_in_output"):
+        parse_request({**text, "stream": flag(True)}, json.dumps({"exclude_input_in_output": False}))
+    assert parse_request({**text, "stream": flag(True), "exclude_input_in_output": flag(True)}, None).stream
+    req = parse_request({**text, "return_cumulative_logprob": flag(True)}, None)
+    assert req.return_cumulative_logprob and req.sampling["logprobs"] == 0
+    assert parse_request(text, json.dumps({"min_length": 3})).sampling == {"min_tokens": 3}
+    with pytest.raises(RequestError, match="min_length"):
+        parse_request(text, json.dumps({"min_length": 3, "min_tokens": 4}))
+    params = SamplingParams.from_dict({"top_k": -1}).validate(SamplingLimits(), 100)
+    assert params.top_k == 0   # vLLM's "off"
+    with pytest.raises(RequestError, match="top_k"):
+        SamplingParams.from_dict({"top_k": -2}).validate(SamplingLimits(), 100)

@@ -103,6 +103,10 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                                "(prompt plus at least one generated token must fit)")
+        room = self.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None and params.max_tokens > room:   # as vLLM: an error, not a clamp
+            raise RequestError(f"max_tokens: {params.max_tokens} exceeds the {room} tokens left in the context "
+                               f"(max_model_len {self.max_model_len} minus the prompt's {len(prompt_ids)})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.cfg.default_max_tokens
         if params.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}"

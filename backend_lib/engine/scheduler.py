@@ -4,7 +4,8 @@ Each step first gives every running decode its one token, then continues chunked
 admits waiting requests, all within a token budget, so a long prompt never stalls the decoding of
 others. With prefix caching, an admitted request first takes the cached pages that hold the longest
 run of its full pages (at least its last token is computed, for its logits), and every page that
-becomes full is recorded in the cache. When the page pool runs dry the newest running sequence is preempted (its pages freed,
+becomes full is recorded in the cache; a request whose next full page a running prefill is computing
+waits for it (one prefill for n choices or concurrent requests of one prompt). When the page pool runs dry the newest running sequence is preempted (its pages freed,
 recomputed later from its prompt and the tokens it already produced); nothing is ever dropped.
 """
 from __future__ import annotations
@@ -70,16 +71,20 @@ class Scheduler:
             plan[seq] = n
             budget -= n
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = next((s for s in self.waiting if not self._follows_a_prefill(s)), None)
+            if seq is None:
+                break
             cached = self._cached_prefix(seq)
             start = len(cached) * self.bm.page_size
             n = min(seq.num_tokens - start, budget)
             if self.bm.extra_pages(cached, start + n) + self.bm.cost_of(cached) > self.bm.num_free:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if self.bm.caching:
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += start
+                if seq.num_cached_tokens is None:   # at first admission (a preempted one recomputes)
+                    seq.num_cached_tokens = start
                 self.bm.acquire(cached)
                 seq.block_table, seq.num_computed, seq.num_registered = cached, start, len(cached)
             seq.status = SequenceStatus.RUNNING
@@ -88,6 +93,24 @@ class Scheduler:
             plan[seq] = n
             budget -= n
         return list(plan.items())
+
+    def _follows_a_prefill(self, seq: Sequence) -> bool:
+        """Whether seq's next uncached full page is one that a running prefill is computing now (the same
+        prompt prefix, n > 1 or concurrent requests): seq then waits for it, and the prefix cache hands it
+        the pages instead of a second prefill."""
+        if not self.bm.caching or seq.num_computed or seq.params.prompt_logprobs is not None:
+            return False
+        ps = self.bm.page_size
+        full = (seq.num_tokens - 1) // ps
+        have = len(self._cached_prefix(seq))
+        if have >= full:
+            return False
+        want = seq.full_page_hashes(full, ps)[have]
+        for r in self.running:
+            if r.num_pending > 1 and r.num_registered <= have and r.cache_root == seq.cache_root \
+                    and (r.num_tokens - 1) // ps > have and r.full_page_hashes(have + 1, ps)[have] == want:
+                return True
+        return False
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached pages holding the longest run of seq's full pages, leaving at least one token to compute.

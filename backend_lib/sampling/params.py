@@ -58,7 +58,7 @@ RANGES: dict[str, Range] = {
     "min_tokens": Range(int, 0, INT32_MAX),
     "temperature": Range(float, 0.0, 1e4),           # below GREEDY_TEMPERATURE: greedy
     "top_p": Range(float, 0.0, 1.0, lo_open=True),
-    "top_k": Range(int, 0, INT32_MAX),               # 0: off (the OpenAI front maps vLLM's -1 to 0)
+    "top_k": Range(int, 0, INT32_MAX),               # 0: off (vLLM's -1 is taken as 0)
     "min_p": Range(float, 0.0, 1.0),
     "seed": Range(int, 0, 2**64 - 1),
     "logprobs": Range(int, 0, INT32_MAX),            # and at most the server's max_logprobs limit
@@ -139,6 +139,8 @@ class SamplingParams:
 
     def validate(self, limits: SamplingLimits, vocab_size: int) -> "SamplingParams":
         """Checks types and ranges (RANGES, then the server's limits), normalizes types; returns self."""
+        if type(self.top_k) is int and self.top_k == -1:   # vLLM's "off"
+            self.top_k = 0
         for name in RANGES:
             value = getattr(self, name)
             if name in ("logprobs", "prompt_logprobs") and isinstance(value, bool):

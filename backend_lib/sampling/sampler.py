@@ -23,6 +23,7 @@ from .structured import apply_mask
 class Sample:
     token_id: int
     logprob: float | None = None
+    rank: int | None = None                # of the sampled token among all, 1 = the most likely
     top_logprobs: list[tuple[int, float]] | None = None
 
 
@@ -182,6 +183,7 @@ class Sampler:
                 row = logprobs[r]
                 sample = out[b]
                 sample.logprob = float(row[sample.token_id])
+                sample.rank = int((row > row[sample.token_id]).sum()) + 1
                 n = seqs[b].params.logprobs
                 if n:
                     vals, ids = torch.topk(row, n)

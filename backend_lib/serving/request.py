@@ -18,6 +18,7 @@ from ..sampling.params import RequestError, check_keys
 from ..sampling.structured import STRUCTURED_KEYS
 from .schema import FLAG_INPUTS, LLM_INPUT, LLM_INPUTS, SAMPLING_INPUTS
 
+ALIASES = {"min_length": "min_tokens"}   # TensorRT-LLM tensor names -> SamplingParams fields
 _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                 "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
                 "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
@@ -38,7 +39,11 @@ class ParsedRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
+    return_num_cached_tokens: bool = False
     return_abort_token: bool = False
+    given_flags: set = field(default_factory=set)   # the flags the request sent (not defaulted)
+    logprobs_output: bool = False   # the logprobs output was asked for (return_logprobs, or logprobs: N)
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,11 @@ def _parameters(req: ParsedRequest, parameters_json: str | None) -> dict:
     for k, v in params.items():
         if k in FLAG_INPUTS:
             setattr(req, k, _flag(f"parameters.{k}", v))
+            req.given_flags.add(k)
+        elif k == "min_length":   # TensorRT-LLM's name
+            if "min_tokens" in params:
+                raise RequestError("min_length and min_tokens: one meaning, send one of them")
+            rest["min_tokens"] = v
         elif k == "stop_words":
             rest["stop"] = v if isinstance(v, list) else [v]
         elif k == "beam_width":
@@ -192,7 +202,11 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
     for name in SAMPLING_INPUTS:
         arr = get(name)
         if arr is not None:
-            tensors[name] = LLM_INPUT[name].py_type(scalar(name, arr).item())
+            key = ALIASES.get(name, name)
+            value = LLM_INPUT[name].py_type(scalar(name, arr).item())
+            if key in tensors and tensors[key] != value:
+                raise RequestError(f"{name} and {key}: given as input tensors with different values; send one")
+            tensors[key] = value
     bw = get("beam_width")
     if bw is not None and int(scalar("beam_width", bw)) != 1:
         raise RequestError(f"beam_width: only 1 is supported, got {int(scalar('beam_width', bw))}")
@@ -204,8 +218,13 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
         arr = get(name)
         if arr is not None:
             setattr(req, name, bool(scalar(name, arr)))
-    if req.return_logprobs and merged.get("logprobs") is None:
+            req.given_flags.add(name)
+    req.logprobs_output = req.return_logprobs or merged.get("logprobs") is not None
+    if (req.return_logprobs or req.return_cumulative_logprob) and merged.get("logprobs") is None:
         merged["logprobs"] = 0
+    if req.stream and "exclude_input_in_output" in req.given_flags and not req.exclude_input_in_output:
+        raise RequestError("exclude_input_in_output: false is not allowed with stream true (as vllm_backend: a "
+                           "stream returns only the generated text)")
     if req.return_abort_token and not req.stream:
         raise RequestError("return_abort_token: needs stream true (the token comes in a response of its own, "
                            "before the first token)")

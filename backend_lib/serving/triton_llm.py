@@ -362,8 +362,10 @@ class TritonLLMModel:
             self._count_final(state, out.finish_reason or "stop")
         if req.stream:
             arrays = output_arrays(out.new_text, out.new_token_ids, finish_reason=out.finish_reason,
-                                   num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-                                   cumulative_logprob=out.cumulative_logprob, logprobs=out.new_logprobs, flags=req,
+                                   num_input_tokens=out.num_prompt_tokens, num_output_tokens=len(out.new_token_ids),
+                                   token_text=self._token_text, num_cached_tokens=out.num_cached_tokens,
+                                   cumulative_logprob=out.cumulative_logprob,
+                                   logprobs=out.new_logprobs if req.logprobs_output else None, flags=req,
                                    prompt_logprobs=out.prompt_logprobs)
             self._send(state, arrays, final)
         else:
@@ -380,11 +382,17 @@ class TritonLLMModel:
                         state.prompt_ids, skip_special_tokens=False)
                     text = prefix + text
                 arrays = output_arrays(text, state.ids, finish_reason=out.finish_reason,
-                                       num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                                       num_input_tokens=out.num_prompt_tokens, num_output_tokens=len(state.ids),
+                                       token_text=self._token_text, num_cached_tokens=out.num_cached_tokens,
                                        cumulative_logprob=out.cumulative_logprob,
-                                       logprobs=state.logprobs if req.return_logprobs or state.logprobs else None,
+                                       logprobs=state.logprobs if req.logprobs_output else None,
                                        flags=req, prompt_logprobs=state.prompt_logprobs)
                 self._send(state, arrays, final)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text for logprobs (decoded_token): its bytes as UTF-8, a partial character replaced."""
+        table = self.engine.tokenizer.token_bytes
+        return table[token_id].decode("utf-8", errors="replace") if 0 <= token_id < len(table) else ""
 
     def _send(self, state: RequestState, arrays: dict, flags: int) -> None:
         pb = self.pb
