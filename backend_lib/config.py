@@ -9,6 +9,9 @@ from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
 from .sampling.params import SamplingLimits
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class EngineConfig:
     checkpoint: str
@@ -24,6 +27,7 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_waiting_requests: int = 256        # beyond this, new requests are refused at once (UNAVAILABLE)
     enable_prefix_caching: bool = True     # full KV pages cached by content and reused by later prompts
+    scheduling_policy: str = "fcfs"        # fcfs | priority (vLLM: lower `priority` first, preempting higher)
     tq_seed: int = 0
     kernels: str = "auto"                  # auto | reference | cpu | triton
     kernel_cache_dir: str | None = None
@@ -84,6 +88,9 @@ class EngineConfig:
             raise ValueError(f"page_size: a multiple of 16 up to 1024, got {self.page_size}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len: must be > 1, got {self.max_model_len}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: {self.scheduling_policy!r} is not one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels: {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
         parse_memory_budget(self.kv_cache_memory)

@@ -187,6 +187,9 @@ def _sampling(gen: Generation, body: dict, max_tokens_names: tuple[str, ...]) ->
         value = _checked(body, name)
         if value is not None:
             gen.fields[name] = value
+    priority = _checked(body, "priority")   # vLLM: with the model's scheduling_policy priority, lower first
+    if priority is not None:
+        gen.sampling["priority"] = priority
     min_p = _checked(body, "min_p")   # no tensor of its own: sampling_parameters
     if min_p is not None:
         gen.sampling["min_p"] = min_p
@@ -303,7 +306,7 @@ _SHARED_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperatur
                   "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                   "ignore_eos", "cache_salt", "stop", "stop_token_ids", "logprobs", "response_format",
                   "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern",
-                  "skip_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", *GUIDED_ALIASES,
+                  "skip_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "priority", *GUIDED_ALIASES,
                   *_METADATA, *NEUTRAL_KEYS}
 COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",

@@ -804,6 +804,8 @@ def test_several_prompts_and_n_choices_equal_their_single_requests(client):
     ({"prompt": ["x"] * 20, "n": 16}, "prompt"), ({"prompt": ["ok", ""]}, "prompt"), ({"prompt": ["ok", [-1]]}, "prompt"),
     ({"stream": True, "prompt_logprobs": 0}, "prompt_logprobs"), ({"echo": 1}, "echo"),
     ({"stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
+    ({"priority": 3}, "priority"),          # the served models schedule fcfs
+    ({"priority": 2**40}, "priority"),
 ])
 def test_hostile_batches_fail_alone_naming_the_field(triton, front, fields, param):
     before = triton.metric("vllm:prompt_tokens_total", "qwen3_a8w8")

@@ -74,7 +74,8 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, mc, scheme, self.device, self.dtype, kernels, self.max_model_len,
                                   fault_every(cfg.fault_injection) if cfg.fault_injection else None)
         self.block_manager = BlockManager(self.runner.kv_cache.num_pages, cfg.page_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.scheduling_policy)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.end_ids = set(self.tokenizer.end_token_ids) | set(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
@@ -103,6 +104,9 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                                "(prompt plus at least one generated token must fit)")
+        if params.priority and self.cfg.scheduling_policy != "priority":
+            raise RequestError(f"priority: {params.priority} needs the model parameter scheduling_policy: priority "
+                               "(this model schedules fcfs)")
         room = self.max_model_len - len(prompt_ids)
         if params.max_tokens is not None and params.max_tokens > room:   # as vLLM: an error, not a clamp
             raise RequestError(f"max_tokens: {params.max_tokens} exceeds the {room} tokens left in the context "

@@ -17,8 +17,11 @@ from .sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs"):
         self.bm = block_manager
+        self.priority = policy == "priority"
+        self._arrivals = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -29,7 +32,26 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        self._enqueue(seq)
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, int]:
+        """Priority order: lower `priority` first, then earlier arrival."""
+        return (seq.params.priority, seq.arrival)
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        if not self.priority:
+            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            return
+        key = self._rank(seq)
+        i = next((i for i, s in enumerate(self.waiting) if self._rank(s) > key), len(self.waiting))
+        self.waiting.insert(i, seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the newest (fcfs), or the lowest priority, newest among equals."""
+        return max(self.running, key=self._rank) if self.priority else self.running[-1]
 
     def remove(self, seq: Sequence) -> None:
         """Takes a sequence out (finished or aborted) and frees its pages at once."""
@@ -44,7 +66,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq.block_table)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.num_preemptions += 1
 
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -58,7 +80,7 @@ class Scheduler:
                 continue
             n = min(seq.num_pending, budget)
             while not self.bm.can_grow(seq.block_table, seq.num_computed + n):
-                victim = self.running[-1]
+                victim = self._victim()
                 if victim in plan:
                     budget += plan.pop(victim)
                 self._preempt(victim)
@@ -77,7 +99,16 @@ class Scheduler:
             cached = self._cached_prefix(seq)
             start = len(cached) * self.bm.page_size
             n = min(seq.num_tokens - start, budget)
-            if self.bm.extra_pages(cached, start + n) + self.bm.cost_of(cached) > self.bm.num_free:
+            need = lambda: self.bm.extra_pages(cached, start + n) + self.bm.cost_of(cached)  # noqa: E731
+            while self.priority and need() > self.bm.num_free and self.running and \
+                    self._rank(self._victim()) > self._rank(seq):   # a lower-priority request gives way
+                victim = self._victim()
+                if victim in plan:
+                    budget += plan.pop(victim)
+                self._preempt(victim)
+                preempted = True
+                n = min(seq.num_tokens - start, budget)
+            if need() > self.bm.num_free:
                 break
             self.waiting.remove(seq)
             if self.bm.caching:

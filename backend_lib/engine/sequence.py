@@ -42,6 +42,7 @@ class Sequence:
         self.prompt_logprobs: list[dict] = [] if params.prompt_logprobs is None else [
             {"id": self.prompt_ids[0], "logprob": None, "rank": None, "top": []}]
         self.prompt_logprobs_sent = False
+        self.arrival = 0                       # admission order (the scheduler's tie-break)
         self.num_cached_tokens: int | None = None   # prompt tokens served from the prefix cache (admission)
         self.cache_root: bytes | None = None   # prefix caching on: the root of this request's page hashes
         self.page_hashes: list[bytes] = []     # hashes of the first full pages of `tokens` (a chain)

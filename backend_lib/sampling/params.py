@@ -66,6 +66,7 @@ RANGES: dict[str, Range] = {
     "presence_penalty": Range(float, -2.0, 2.0),
     "frequency_penalty": Range(float, -2.0, 2.0),
     "repetition_penalty": Range(float, 0.0, 1e4, lo_open=True),
+    "priority": Range(int, -2**31, INT32_MAX),
 }
 
 
@@ -119,6 +120,7 @@ class SamplingParams:
     # bad_words as token sequences (set by LLMEngine.make_request from the tokenizer, as vLLM does)
     bad_words_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
     cache_salt: str | None = None          # prefix caching: only requests with the same salt share pages
+    priority: int = 0                      # scheduling_policy priority: lower first (vLLM)
     structured_outputs: StructuredSpec | None = None   # parsed from structured_outputs / guided_* keys
 
     @classmethod

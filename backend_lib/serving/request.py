@@ -23,7 +23,7 @@ _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top
                 "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
                 "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
                 "skip_special_tokens": bool, "cache_salt": str, "logit_bias": dict, "allowed_token_ids": list,
-                "bad_words": list, "prompt_logprobs": int}
+                "bad_words": list, "prompt_logprobs": int, "priority": int}
 ABORT_INPUTS = tuple(f.name for f in LLM_INPUTS if f.role == "abort")
 MAX_SAMPLING_JSON_BYTES = 1 << 20
 
