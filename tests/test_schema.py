@@ -90,7 +90,7 @@ def test_outputs_use_the_schema_dtypes():
     # vllm_backend's shape: one JSON list per response, the sampled token first, each token once
     assert json.loads(arrays["logprobs"][0]) == [{"1": {"logprob": -0.5, "rank": 2, "decoded_token": "<1>"},
                                                   "3": {"logprob": -0.25, "rank": 1, "decoded_token": "<3>"}}]
-    assert set(arrays) == {f.name for f in schema.LLM_OUTPUTS}
+    assert set(arrays) | {"sequence_index"} == {f.name for f in schema.LLM_OUTPUTS}   # n > 1: added per choice
     for name, arr in arrays.items():
         assert arr.dtype == schema.LLM_OUTPUT[name].np_dtype
     assert arrays["text_output"][0].decode() == "é" and arrays["num_cached_tokens"].tolist() == [16]

@@ -278,3 +278,25 @@ def test_vllm_backend_outputs_mean_what_vllm_backend_documents(triton):
     assert refused[-1][0] == "ERROR" and "exclude_input_in_output" in refused[-1][1]
     long = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=1020, **GREEDY)
     assert long[-1][0] == "ERROR" and "max_tokens" in long[-1][1] and "exceeds" in long[-1][1]
+
+
+def test_n_choices_on_the_triton_path_stream_with_their_sequence_index(triton):
+    """sampling_parameters n: one Triton stream, each response tagged with its choice's sequence_index, choice j
+    of a seeded request equal to the request with seed + j alone; one final response; an abort ends them all."""
+    sp = {"max_tokens": 6, "temperature": 1.0, "seed": 21, "ignore_eos": True}
+    rs = _responses(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, sampling_parameters={**sp, "n": 3})
+    finals = [r for r in rs if r.get_response().parameters["triton_final_response"].bool_param]
+    assert len(finals) == 1 and finals[0] is rs[-1]
+    by_choice: dict = {}
+    for r in rs:
+        ids = [int(i) for i in r.as_numpy("output_ids")]
+        if ids:
+            by_choice.setdefault(int(r.as_numpy("sequence_index")[0]), []).extend(ids)
+    for j in range(3):
+        alone = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, sampling_parameters={**sp, "seed": 21 + j})
+        assert by_choice[j] == [i for _, ids, _ in alone for i in ids]
+    assert len({tuple(v) for v in by_choice.values()}) > 1
+    bad = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, sampling_parameters={**sp, "n": 3, "logit_bias": {
+        "99999999": 1}})
+    assert bad[-1][0] == "ERROR" and "logit_bias" in bad[-1][1]   # every choice is validated before any runs
+    assert triton.metric("vllm:num_requests_running", "qwen3_a8w8") == 0

@@ -120,13 +120,15 @@ def test_request_parameters_are_strict():
     base = _arrays(text_input="hi")
     for params, field in [({"bogus_key": 1}, "bogus_key"), ({"max_tokenz": 5}, "max_tokenz"),
                           ({"temperatur": 0.5}, "temperatur"), ({"stream": 7}, "parameters.stream"),
-                          ({"n": 2}, "'n'"), ({"sampling_parameters": "{}"}, "sampling_parameters"),
+                          ({"n": 17}, "n must be"), ({"n": 2}, "n: 2 choices need stream"),
+                          ({"n": "x"}, "n must be"), ({"sampling_parameters": "{}"}, "sampling_parameters"),
                           ({"max_tokens": "1" * 400}, "max_tokens"), ({"cache_salt": "\ud800"}, "parameters")]:
         with pytest.raises(RequestError, match=field):
             parse_request(base, json.dumps(params))
     # what the HTTP generate extension sends for JSON keys that are not inputs, and vLLM-backend strings
     req = parse_request(base, json.dumps({"max_tokens": "16", "temperature": 0.5, "stream": "true", "n": 1}))
-    assert req.sampling == {"max_tokens": 16, "temperature": 0.5} and req.stream
+    assert req.sampling == {"max_tokens": 16, "temperature": 0.5} and req.stream and req.n == 1
+    assert parse_request(base, json.dumps({"stream": True, "n": "3"})).n == 3
 
 
 def test_a_field_given_twice_must_agree():

@@ -26,6 +26,21 @@ _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top
                 "bad_words": list, "prompt_logprobs": int, "priority": int}
 ABORT_INPUTS = tuple(f.name for f in LLM_INPUTS if f.role == "abort")
 MAX_SAMPLING_JSON_BYTES = 1 << 20
+MAX_N = 16
+
+
+def _take_n(data: dict, where: str) -> int | None:
+    """vLLM's n, taken out of the sampling fields (the serving layer forks the choices)."""
+    if "n" not in data:
+        return None
+    v = data.pop("n")
+    if isinstance(v, str) and v.isdigit() and len(v) < 4:
+        v = int(v)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_N:
+        raise RequestError(f"{where}: n must be an integer in [1, {MAX_N}], got {str(v)[:32]!r}")
+    return v
 
 
 @dataclass
@@ -43,6 +58,7 @@ class ParsedRequest:
     return_num_cached_tokens: bool = False
     return_abort_token: bool = False
     given_flags: set = field(default_factory=set)   # the flags the request sent (not defaulted)
+    n: int = 1                      # choices (vLLM's n): one engine request each, one Triton stream
     logprobs_output: bool = False   # the logprobs output was asked for (return_logprobs, or logprobs: N)
 
 
@@ -118,6 +134,9 @@ def _parameters(req: ParsedRequest, parameters_json: str | None) -> dict:
     if not isinstance(params, dict):
         raise RequestError("parameters: must be an object")
     rest = {}
+    n = _take_n(params, "parameters")
+    if n is not None:
+        rest["n"] = n
     for k, v in params.items():
         if k in FLAG_INPUTS:
             setattr(req, k, _flag(f"parameters.{k}", v))
@@ -135,7 +154,10 @@ def _parameters(req: ParsedRequest, parameters_json: str | None) -> dict:
             raise RequestError(f"parameters.{k}: send {k} as an input tensor, not a request parameter")
         else:
             rest[k] = v
+    n = rest.pop("n", None)
     rest = check_keys(rest, "parameters")   # unknown keys and non-neutral vLLM keys: an error naming them
+    if n is not None:
+        rest["n"] = n
     return {k: (_coerce(k, v, "parameters") if k in _FIELD_TYPES else v) for k, v in rest.items()}
 
 
@@ -195,7 +217,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
             data = loads(raw, "sampling_parameters", max_bytes=MAX_SAMPLING_JSON_BYTES)
             if not isinstance(data, dict):
                 raise RequestError("sampling_parameters: must be a JSON object")
+            n = _take_n(data, "sampling_parameters")
             data = check_keys(data)
+            if n is not None:
+                data["n"] = n
             _merge(merged, origin, {k: _coerce(k, v, "sampling_parameters") for k, v in data.items()},
                    "sampling_parameters")
     tensors = {}
@@ -228,6 +253,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
     if req.return_abort_token and not req.stream:
         raise RequestError("return_abort_token: needs stream true (the token comes in a response of its own, "
                            "before the first token)")
+    req.n = merged.pop("n", 1)
+    if req.n > 1 and not req.stream:
+        raise RequestError(f"n: {req.n} choices need stream true (each response carries its choice's "
+                           "sequence_index)")
     req.sampling = merged
 
     text = get("text_input")

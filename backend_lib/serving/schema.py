@@ -108,6 +108,8 @@ LLM_OUTPUTS: tuple[Field, ...] = (
        "decoded_token}} (the token, then its top-N alternatives)"),
     _f("abort_token", "TYPE_STRING", [-1], "output",
        "return_abort_token: the request's abort capability, in its first response only"),
+    _f("sequence_index", "TYPE_INT32", [1], "output",
+       "n > 1: the choice this response belongs to (0..n-1), as TensorRT-LLM's num_return_sequences"),
     _f("prompt_logprobs", "TYPE_STRING", [-1], "output",
        "sampling_parameters.prompt_logprobs: per prompt token, JSON {id, logprob, rank, top: [{id, logprob}]} "
        "(the first token's logprob and rank null), in the first response with a token"),
