@@ -92,9 +92,10 @@ class ResponseFormat:
         self.names.learn(entries)
         out = [None]
         for e in entries[1:]:
-            d = {str(e["id"]): {"logprob": e["logprob"], "rank": e.get("rank"), "decoded_token": self.names.text(e["id"])}}
+            text = self.names.text
+            d = {str(e["id"]): {"logprob": e["logprob"], "rank": e.get("rank"), "decoded_token": text(e["id"])}}
             for r, t in enumerate(e.get("top", [])[:n], 1):
-                d.setdefault(str(t["id"]), {"logprob": t["logprob"], "rank": r, "decoded_token": self.names.text(t["id"])})
+                d.setdefault(str(t["id"]), {"logprob": t["logprob"], "rank": r, "decoded_token": text(t["id"])})
             out.append(d)
         return out
 

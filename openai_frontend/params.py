@@ -306,7 +306,8 @@ _SHARED_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperatur
                   "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                   "ignore_eos", "cache_salt", "stop", "stop_token_ids", "logprobs", "response_format",
                   "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern",
-                  "skip_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "priority", *GUIDED_ALIASES,
+                  "skip_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                  "priority", *GUIDED_ALIASES,
                   *_METADATA, *NEUTRAL_KEYS}
 COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",

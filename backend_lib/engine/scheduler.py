@@ -5,8 +5,10 @@ admits waiting requests, all within a token budget, so a long prompt never stall
 others. With prefix caching, an admitted request first takes the cached pages that hold the longest
 run of its full pages (at least its last token is computed, for its logits), and every page that
 becomes full is recorded in the cache; a request whose next full page a running prefill is computing
-waits for it (one prefill for n choices or concurrent requests of one prompt). When the page pool runs dry the newest running sequence is preempted (its pages freed,
-recomputed later from its prompt and the tokens it already produced); nothing is ever dropped.
+waits for it (one prefill for n choices or concurrent requests of one prompt). When the page pool runs
+dry the newest running sequence (with scheduling_policy priority: the lowest-priority one) is preempted
+(its pages freed, recomputed later from its prompt and the tokens it already produced); nothing is ever
+dropped.
 """
 from __future__ import annotations
 
