@@ -10,6 +10,7 @@ from .sampling.params import SamplingLimits
 
 
 LM_HEAD_QUANTS = ("checkpoint", "int8")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -27,6 +28,7 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_waiting_requests: int = 256        # beyond this, new requests are refused at once (UNAVAILABLE)
     enable_prefix_caching: bool = True     # full KV pages cached by content and reused by later prompts
+    scheduling_policy: str = "fcfs"        # fcfs | priority (vLLM: lower `priority` first, preempting higher)
     tq_seed: int = 0
     kernels: str = "auto"                  # auto | reference | cpu | triton | npu
     lm_head_quant: str = "checkpoint"      # checkpoint (the head as stored) | int8 (per-channel, the A8W8 kernel)
@@ -108,6 +110,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be > 1, got {self.max_model_len}")
         if self.lm_head_quant not in LM_HEAD_QUANTS:
             raise ValueError(f"lm_head_quant: {self.lm_head_quant!r} is not one of {', '.join(LM_HEAD_QUANTS)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: {self.scheduling_policy!r} is not one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels: {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
         parse_memory_budget(self.kv_cache_memory)

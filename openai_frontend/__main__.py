@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--api-key", default=os.environ.get("QWEN3_API_KEY") or None,
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $QWEN3_API_KEY)")
     ap.add_argument("--tokenizer", default=None,
-                    help="tokenizer folder for logprob token strings (default: 'token_id:<id>')")
+                    help="tokenizer folder for logprob token strings and /detokenize (default: the model's own)")
     ap.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
                     help="qwen3: the think block becomes reasoning_content; none: raw text as content")
     ap.add_argument("--responses-store-count", type=int, default=DEFAULT_MAX_RESPONSES,

@@ -21,6 +21,7 @@ from .params import parse_chat, parse_completion
 from .playground import mount_playground
 from .responses_api import responses_routes
 from .responses_store import ResponseStore
+from .tokenize_api import ModelTokenizers, tokenize_routes
 
 log = logging.getLogger("openai_frontend")
 
@@ -77,15 +78,17 @@ def _v1_routes(gateway: TritonGateway, names: TokenNames, api_key: str | None, r
     @router.post("/completions")
     async def completions(request: Request):
         gen = parse_completion(await _json_body(request))
-        return await respond(request, gateway, gen, CompletionFormat(gen.model, names, gen.include_usage))
+        model = gen.model   # the name the client asked for (an adapter's, before it is routed to its parent)
+        return await respond(request, gateway, gen, lambda prompt: CompletionFormat(
+            model, names, gen.include_usage, echo=gen.echo, prompt=prompt))
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
         gen = parse_chat(await _json_body(request))
-        fmt = ChatFormat(gen.model, names, gen.include_usage, reasoning=reasoning,
-                         thinking=gen.enable_thinking is not False, include_reasoning=gen.include_reasoning,
-                         parse_tools=gen.tools is not None and gen.tools.parse_calls)
-        return await respond(request, gateway, gen, fmt)
+        model = gen.model
+        return await respond(request, gateway, gen, lambda _prompt: ChatFormat(
+            model, names, gen.include_usage, reasoning=reasoning, thinking=gen.enable_thinking is not False,
+            include_reasoning=gen.include_reasoning, parse_tools=gen.tools is not None and gen.tools.parse_calls))
 
     return router
 
@@ -140,5 +143,7 @@ def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, t
     app.include_router(responses_routes(gateway, ResponseStore() if responses_store is None else responses_store,
                                         _json_body, reasoning,
                                         [Depends(_api_key_check(api_key))]))
+    app.include_router(tokenize_routes(gateway, ModelTokenizers(gateway, tokenizer), _json_body,
+                                       [Depends(_api_key_check(api_key))]))
     mount_playground(app)   # the chat page at /
     return app

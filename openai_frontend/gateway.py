@@ -30,6 +30,8 @@ class Delta:
     finish_reason: str | None = None
     num_input_tokens: int = 0
     final: bool = False
+    prompt_logprobs: list[dict] | None = None   # every prompt token's entry (prompt_logprobs), once
+    num_cached_tokens: int = 0
 
 
 def _transport_error(exc: Exception) -> APIError:
@@ -55,8 +57,26 @@ def _delta(result) -> Delta:
 
     reason = first("finish_reason", None)
     logprobs = result.as_numpy("logprobs")
-    return Delta(text, ids, [json.loads(x) for x in logprobs] if logprobs is not None else [],
-                 reason.decode() if reason is not None else None, int(first("num_input_tokens")), is_final(result))
+    plp = result.as_numpy("prompt_logprobs")
+    return Delta(text, ids, [e for x in logprobs for e in _entries(json.loads(x))] if logprobs is not None else [],
+                 reason.decode() if reason is not None else None, int(first("num_input_tokens")), is_final(result),
+                 [json.loads(x) for x in plp] if plp is not None else None, int(first("num_cached_tokens")))
+
+
+def _entries(tokens: list[dict] | None) -> list[dict]:
+    """The LLM model's logprobs (vllm_backend's shape: per token {id: {logprob, rank, decoded_token}}, the
+    sampled token first) as entries {id, logprob, text, top: every listed token by rank}; the front keeps
+    the top N it was asked for."""
+    out = []
+    for d in tokens or []:
+        items = [{"id": int(k), "logprob": v["logprob"], "rank": v.get("rank"), "text": v.get("decoded_token")}
+                 for k, v in d.items()]
+        if not items:
+            continue
+        first = items[0]
+        top = sorted(items, key=lambda t: (t["logprob"] is None, -(t["logprob"] or 0.0)))
+        out.append({**first, "top": top})
+    return out
 
 
 def is_llm_config(config: dict) -> bool:
@@ -302,15 +322,27 @@ class TritonGateway:
         if not await self._llm(name):
             raise model_not_found(name)
 
+    async def model_parameters(self, name: str) -> dict[str, str]:
+        """The string parameters of a model's config (checkpoint, max_model_len, ...)."""
+        config = await self._call(self.client.get_model_config(name, as_json=True, client_timeout=UNARY_TIMEOUT_S))
+        return {k: v.get("string_value", "") for k, v in config.get("config", {}).get("parameters", {}).items()}
+
+    async def text_input_ids(self, text: str) -> list[int]:
+        """A text's ids from the tokenizer model (the models' own tokenizer)."""
+        return await self._tokenize([self._batch1("text_input", text.encode(), "BYTES")])
+
     async def chat_input_ids(self, messages: list[dict], enable_thinking: bool | None,
-                             tools: list[dict] | None = None) -> list[int]:
+                             tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Prompt ids of a conversation (and its tools), from the tokenizer model's chat template."""
         tensors = [self._batch1("messages", json.dumps(messages, ensure_ascii=False).encode(), "BYTES"),
-                   self._batch1("add_generation_prompt", True, "BOOL")]
+                   self._batch1("add_generation_prompt", add_generation_prompt, "BOOL")]
         if enable_thinking is not None:
             tensors.append(self._batch1("enable_thinking", enable_thinking, "BOOL"))
         if tools:
             tensors.append(self._batch1("tools", json.dumps(tools, ensure_ascii=False).encode(), "BYTES"))
+        return await self._tokenize(tensors)
+
+    async def _tokenize(self, tensors: list) -> list[int]:
         try:
             result = await self.client.infer(TOKENIZER_MODEL, tensors, client_timeout=UNARY_TIMEOUT_S)
         except InferenceServerException as exc:

@@ -33,12 +33,14 @@ class Tally:
     entries: list[dict] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finish_reason: str | None = None
 
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
         self.entries.extend(delta.logprobs)
         self.prompt_tokens = max(self.prompt_tokens, delta.num_input_tokens)
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         self.completion_tokens += len(delta.ids)
         self.finish_reason = delta.finish_reason or self.finish_reason
 
@@ -48,7 +50,7 @@ class Tally:
 
     @property
     def usage(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens)
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
 class SSEResponse(StreamingResponse):
@@ -107,36 +109,114 @@ async def _chain(first: Delta, rest):
             yield delta
 
 
-async def _events(gen: Generation, fmt: ResponseFormat, deltas):
-    tally = Tally()
-    for chunk in fmt.first_chunks():
-        yield sse(chunk)
+@dataclass
+class Choice:
+    """One choice of a response: its formatter (own parser state), its Triton stream and deltas, its tally."""
+    fmt: ResponseFormat
+    stream: object
+    deltas: object = None
+    tally: Tally = field(default_factory=Tally)
+    prompt_entries: list | None = None
+
+
+def _summed(choices: list[Choice], n: int) -> dict:
+    """OpenAI's usage of several choices: each prompt counted once (not per choice), every completion token."""
+    prompt = sum(c.tally.prompt_tokens for i, c in enumerate(choices) if i % n == 0)
+    cached = sum(c.tally.cached_tokens for i, c in enumerate(choices) if i % n == 0)
+    return usage(prompt, sum(c.tally.completion_tokens for c in choices), cached)
+
+
+def _keep_top(delta: Delta, n: int | None) -> Delta:
+    """The top-n alternatives of each token's logprobs (the model lists the sampled token beside them)."""
+    for e in delta.logprobs:
+        e["top"] = e.get("top", [])[:n or 0]
+    return delta
+
+
+async def _merged(choices: list[Choice]):
+    """(choice number, delta) from every choice's stream as they come; a stream's error is raised."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, choice: Choice):
+        try:
+            async for delta in choice.deltas:
+                await queue.put((i, delta))
+        except BaseException as exc:   # noqa: BLE001  handed to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(choices)]
     try:
-        async for delta in deltas:
-            tally.add(delta)
-            for chunk in fmt.delta_chunks(delta, gen.logprobs is not None):
+        open_ = len(tasks)
+        while open_:
+            i, item = await queue.get()
+            if item is done:
+                open_ -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _events(gen: Generation, choices: list[Choice]):
+    fmt = choices[0].fmt
+    for c in choices:
+        for chunk in c.fmt.first_chunks():
+            yield sse(chunk)
+    top_n = gen.logprobs if gen.echo else None
+    try:
+        async for i, delta in _merged(choices):
+            c = choices[i]
+            _keep_top(delta, gen.logprobs)
+            c.tally.add(delta)
+            if gen.continuous_usage:
+                c.fmt.chunk_usage = _summed(choices, gen.n)
+            for chunk in c.fmt.delta_chunks(delta, gen.logprobs is not None, top_n):
                 yield sse(chunk)
+            if delta.final:
+                for chunk in c.fmt.final_chunks(c.tally.reason):
+                    yield sse(chunk)
     except APIError as exc:   # after the headers went out, an error is an event
         yield sse(exc.body())
         yield SSE_DONE
         return
-    for chunk in fmt.final_chunks(tally.reason):
-        yield sse(chunk)
     if gen.include_usage:
-        yield sse(fmt.usage_chunk(tally.usage))
+        yield sse(fmt.usage_chunk(_summed(choices, gen.n)))
     yield SSE_DONE
 
 
-async def _whole(gen: Generation, fmt: ResponseFormat, deltas) -> dict:
-    tally = Tally()
-    async for delta in deltas:
-        tally.add(delta)
-    entries = tally.entries if gen.logprobs is not None else None
-    return fmt.result("".join(tally.text), entries, tally.reason, tally.usage)
+async def _whole(gen: Generation, choices: list[Choice]) -> dict:
+    async def run(c: Choice):
+        async for delta in c.deltas:
+            c.tally.add(_keep_top(delta, gen.logprobs))
+            if delta.prompt_logprobs is not None:
+                c.prompt_entries = delta.prompt_logprobs
+
+    await asyncio.gather(*(run(c) for c in choices))
+    counts = _summed(choices, gen.n)
+    bodies = []
+    for c in choices:
+        entries = c.tally.entries if gen.logprobs is not None else None
+        bodies.append(c.fmt.result("".join(c.tally.text), entries, c.tally.reason, counts, c.prompt_entries,
+                                   gen.logprobs if gen.echo else None,
+                                   gen.prompt_logprobs if gen.messages is None else None))
+    body = bodies[0]
+    body["choices"] = [b["choices"][0] for b in bodies]
+    if gen.messages is not None and gen.prompt_logprobs is not None:   # vLLM: chat's are on the response
+        body["prompt_logprobs"] = choices[0].fmt.vllm_prompt_logprobs(choices[0].prompt_entries or [],
+                                                                      gen.prompt_logprobs)
+    return body
 
 
-async def respond(request: Request, gateway: TritonGateway, gen: Generation, fmt: ResponseFormat) -> Response:
-    """Runs `gen` on Triton and answers in `fmt` (completion or chat), streamed or whole."""
+async def respond(request: Request, gateway: TritonGateway, gen: Generation, make_format) -> Response:
+    """Runs `gen` on Triton and answers in the format `make_format(prompt)` builds (completion or chat),
+    streamed or whole: one Triton stream per choice (each prompt x n), the first responses awaited before
+    the answer starts, so that a refused request is an HTTP status."""
     await gateway.loras.route(gateway, gen)   # a LoRA adapter's name: its parent model, with the adapter
     await gateway.require_llm(gen.model)
     input_ids = None
@@ -144,15 +224,26 @@ async def respond(request: Request, gateway: TritonGateway, gen: Generation, fmt
         tools = gen.tools.tools if gen.tools is not None else None
         input_ids = await until_disconnect(request, gateway.chat_input_ids(gen.messages, gen.enable_thinking, tools),
                                            cancel=False)
-    stream = gateway.stream(gen.model, gen.triton_inputs(input_ids))
+    choices: list[Choice] = []
     try:
-        deltas = stream.__aiter__()
-        first = await until_disconnect(request, deltas.__anext__())   # errors here are HTTP statuses
-        deltas = _chain(first, deltas)
+        first_fmt = None
+        for index, (prompt, j) in enumerate(gen.choices()):
+            fmt = make_format(prompt) if first_fmt is None else first_fmt.for_choice(index, lambda p=prompt:
+                                                                                    make_format(p))
+            first_fmt = first_fmt or fmt
+            stream = gateway.stream(gen.model, gen.triton_inputs(input_ids, prompt, j))
+            choices.append(Choice(fmt, stream))
+        firsts = []
+        for c in choices:
+            c.deltas = c.stream.__aiter__()
+            firsts.append(c.deltas.__anext__())
+        got = await until_disconnect(request, asyncio.gather(*firsts))   # errors here are HTTP statuses
+        for c, first in zip(choices, got):
+            c.deltas = _chain(first, c.deltas)
         if gen.stream:
-            return SSEResponse(_events(gen, fmt, deltas), on_close=stream.close)
-        return JSONResponse(await until_disconnect(request, _whole(gen, fmt, deltas)))
+            return SSEResponse(_events(gen, choices), on_close=lambda: [c.stream.close() for c in choices])
+        return JSONResponse(await until_disconnect(request, _whole(gen, choices)))
     except BaseException:
-        stream.close()
+        for c in choices:
+            c.stream.close()
         raise
-

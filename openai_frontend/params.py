@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from backend_lib.sampling.params import INT32_MAX, NEUTRAL_KEYS, RequestError, SamplingLimits, check_number
+from backend_lib.sampling.params import (INT32_MAX, NEUTRAL_KEYS, RequestError, SamplingLimits, check_logit_bias,
+                                        check_number)
 from backend_lib.sampling.structured import GUIDED_ALIASES, StructuredSpec
 from client.triton_inputs import build_inputs
 from .errors import bad_request
@@ -20,13 +21,19 @@ ROLES = ("system", "user", "assistant", "tool")
 MAX_LOGPROBS = SamplingLimits().max_logprobs   # the LLM models' limit, checked here to name top_logprobs
 
 
+MAX_N = 16              # choices per prompt (n)
+MAX_CHOICES = 256       # prompts x n in one request
+
+
 @dataclass
 class Generation:
     model: str
     stream: bool = False
     include_usage: bool = False
-    prompt: str | None = None            # completions: text prompt
-    prompt_ids: list[int] | None = None  # completions: token-id prompt
+    continuous_usage: bool = False       # stream_options.continuous_usage_stats: usage on every chunk
+    prompt: str | None = None            # completions: text prompt (the first of `prompts`)
+    prompt_ids: list[int] | None = None  # completions: token-id prompt (the first of `prompts`)
+    prompts: list = field(default_factory=list)   # completions: every prompt (str or ids), one or more
     messages: list[dict] | None = None   # chat: rendered by the tokenizer model
     enable_thinking: bool | None = None
     fields: dict = field(default_factory=dict)    # Triton scalar tensors (max_tokens, temperature, ...)
@@ -35,18 +42,37 @@ class Generation:
     logprobs: int | None = None          # top-N alternatives per token; None: no logprobs
     tools: ToolRequest | None = None     # chat: tools for the template, and whether calls are parsed
     include_reasoning: bool = True       # chat: vLLM's include_reasoning (False drops reasoning_content)
+    n: int = 1                           # choices per prompt
+    echo: bool = False                   # completions: the prompt (and its logprobs) before the text
+    prompt_logprobs: int | None = None   # vLLM: the prompt tokens' logprobs in the response
 
-    def triton_inputs(self, input_ids: list[int] | None = None) -> list:
-        """Input tensors of the streaming LLM request (chat passes the tokenizer model's ids)."""
-        ids = input_ids if input_ids is not None else self.prompt_ids
+    def triton_inputs(self, input_ids: list[int] | None = None, prompt=None, choice: int = 0) -> list:
+        """Input tensors of the streaming LLM request (chat passes the tokenizer model's ids; a completion
+        with several prompts passes each in `prompt`). Choice j > 0 of a seeded request gets seed + j (as
+        vLLM derives its n > 1 children's seeds), so a seeded request is reproducible."""
+        if prompt is None:
+            prompt = self.prompt if self.prompt is not None else self.prompt_ids
+        ids = input_ids if input_ids is not None else (prompt if isinstance(prompt, list) else None)
         sampling = dict(self.sampling)
         if self.logprobs is not None:
             sampling["logprobs"] = self.logprobs
-        return build_inputs(None if ids is not None else self.prompt, ids, stream=True,
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        if wanted:
+            sampling["prompt_logprobs"] = max(wanted)
+        fields = dict(self.fields)
+        if choice and fields.get("seed") is not None:
+            fields["seed"] = (fields["seed"] + choice) % 2**64
+        return build_inputs(None if ids is not None else prompt, ids, stream=True,
                             sampling_parameters=sampling or None, stop_words=self.stop,
                             return_finish_reason=True, return_num_input_tokens=True, return_abort_token=True,
+                            return_num_cached_tokens=True,
                             return_logprobs=self.logprobs is not None or None,
-                            **self.fields)
+                            **fields)
+
+    def choices(self) -> list:
+        """(prompt, choice number) of every choice, in `index` order: prompt i's choice j is i * n + j."""
+        prompts = self.prompts or [None]
+        return [(p, j) for p in prompts for j in range(self.n)]
 
 
 # ----- typed field readers (None when absent or null) -----------------------------------------------
@@ -93,12 +119,14 @@ def _neutral_only(body: dict, name: str, allowed: tuple, why: str | None = None)
 
 
 # vLLM/OpenAI fields accepted only with their neutral value, beyond the engine's NEUTRAL_KEYS
-FRONT_NEUTRAL = {"logit_bias": ({}, []), "echo": (False,), "suffix": ("",)}
+FRONT_NEUTRAL = {"suffix": ("",)}
+FRONT_OWN = ("n", "prompt_logprobs")   # NEUTRAL_KEYS of the engine that the front implements itself
 
 
 def _neutral_fields(body: dict) -> None:
     for name, allowed in {**NEUTRAL_KEYS, **FRONT_NEUTRAL}.items():
-        _neutral_only(body, name, allowed)
+        if name not in FRONT_OWN:
+            _neutral_only(body, name, allowed)
 
 
 # ----- shared fields ------------------------------------------------------------------------------
@@ -129,7 +157,11 @@ def _streaming(gen: Generation, body: dict) -> None:
         raise bad_request("stream_options must be an object", "stream_options")
     if not gen.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    unknown = sorted(set(opts) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise bad_request(f"stream_options.{unknown[0]}: unknown field", "stream_options")
     gen.include_usage = bool(_boolean(opts, "include_usage"))
+    gen.continuous_usage = bool(_boolean(opts, "continuous_usage_stats"))
 
 
 # scalar Triton tensors named as in OpenAI/vLLM, each checked by RANGES[name]
@@ -155,6 +187,9 @@ def _sampling(gen: Generation, body: dict, max_tokens_names: tuple[str, ...]) ->
         value = _checked(body, name)
         if value is not None:
             gen.fields[name] = value
+    priority = _checked(body, "priority")   # vLLM: with the model's scheduling_policy priority, lower first
+    if priority is not None:
+        gen.sampling["priority"] = priority
     min_p = _checked(body, "min_p")   # no tensor of its own: sampling_parameters
     if min_p is not None:
         gen.sampling["min_p"] = min_p
@@ -172,6 +207,37 @@ def _sampling(gen: Generation, body: dict, max_tokens_names: tuple[str, ...]) ->
                               "stop_token_ids")
         gen.sampling["stop_token_ids"] = stop_ids
     gen.stop = _stop(body)
+    _token_masks(gen, body)
+
+
+LIMITS = SamplingLimits()
+
+
+def _token_masks(gen: Generation, body: dict) -> None:
+    """logit_bias (OpenAI), allowed_token_ids and bad_words (vLLM): checked for shape and range here (the
+    vocabulary is the model's check), passed in sampling_parameters."""
+    raw = body.get("logit_bias")
+    try:
+        bias = check_logit_bias(None if raw == [] else raw, None, LIMITS.max_logit_bias)
+    except RequestError as exc:
+        raise bad_request(str(exc), "logit_bias") from None
+    if bias:
+        gen.sampling["logit_bias"] = {str(k): v for k, v in bias.items()}
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list) or not allowed or not all(_token_id(i) for i in allowed):
+            raise bad_request(f"allowed_token_ids must be a non-empty list of token ids, integers in [0, {INT32_MAX}]",
+                              "allowed_token_ids")
+        gen.sampling["allowed_token_ids"] = allowed
+    words = body.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise bad_request("bad_words must be a list of strings", "bad_words")
+        if len(words) > LIMITS.max_bad_words or any(len(w) > LIMITS.max_bad_word_len for w in words):
+            raise bad_request(f"bad_words: at most {LIMITS.max_bad_words} words of at most "
+                              f"{LIMITS.max_bad_word_len} characters", "bad_words")
+        if words:
+            gen.sampling["bad_words"] = words
 
 
 def _response_format(body: dict) -> dict | None:
@@ -240,10 +306,12 @@ _SHARED_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperatur
                   "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                   "ignore_eos", "cache_salt", "stop", "stop_token_ids", "logprobs", "response_format",
                   "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern",
-                  "skip_special_tokens", *GUIDED_ALIASES, *_METADATA, *NEUTRAL_KEYS}
-COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "suffix", "logit_bias"}
+                  "skip_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                  "priority", *GUIDED_ALIASES,
+                  *_METADATA, *NEUTRAL_KEYS}
+COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
-                                "tools", "tool_choice", "parallel_tool_calls", "include_reasoning", "logit_bias",
+                                "tools", "tool_choice", "parallel_tool_calls", "include_reasoning",
                                 "add_generation_prompt", "continue_final_message", "add_special_tokens",
                                 "store", "service_tier", "modalities", "n"}
 CHAT_NEUTRAL = {"add_generation_prompt": (True,), "continue_final_message": (False,),
@@ -268,10 +336,23 @@ def _common(body, max_tokens_names: tuple[str, ...], known: set[str]) -> Generat
     gen = Generation(model=_model(body))
     _streaming(gen, body)
     _sampling(gen, body, max_tokens_names)
+    gen.n = _n(body)
+    gen.prompt_logprobs = _logprobs(body, "prompt_logprobs")
+    if gen.prompt_logprobs is not None and gen.stream:
+        raise bad_request("prompt_logprobs: not available with stream true (as vLLM)", "prompt_logprobs")
     skip = _boolean(body, "skip_special_tokens")
     if skip is not None:
         gen.sampling["skip_special_tokens"] = skip
     return gen
+
+
+def _n(body: dict) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be an integer in [1, {MAX_N}], got {json.dumps(n)}", "n")
+    return n
 
 
 # ----- completions ----------------------------------------------------------------------------------
@@ -280,23 +361,33 @@ def _is_ids(value) -> bool:
                                                             for i in value)
 
 
-def _prompt(gen: Generation, body: dict) -> None:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
-        prompt = prompt[0]   # a batch of exactly one prompt
+def _one_prompt(prompt, where: str):
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        gen.prompt = prompt
-    elif _is_ids(prompt):
+            raise bad_request(f"{where} must not be empty", "prompt")
+        return prompt
+    if _is_ids(prompt):
         bad = next((i for i in prompt if not _token_id(i)), None)
         if bad is not None:   # int32 on the wire; the vocabulary check is the model's
-            raise bad_request(f"prompt: token id {bad} is outside [0, {INT32_MAX}]", "prompt")
-        gen.prompt_ids = prompt
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        raise bad_request(f"prompt: only one prompt per request is supported, got {len(prompt)}", "prompt")
+            raise bad_request(f"{where}: token id {bad} is outside [0, {INT32_MAX}]", "prompt")
+        return prompt
+    raise bad_request("prompt is required: a string, a list of token ids, or a list of either", "prompt")
+
+
+def _prompt(gen: Generation, body: dict) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) and not _is_ids(prompt):
+        if len(prompt) * gen.n > MAX_CHOICES:
+            raise bad_request(f"prompt: {len(prompt)} prompts x n {gen.n} choices exceed {MAX_CHOICES} choices "
+                              "per request", "prompt")
+        gen.prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
-        raise bad_request("prompt is required: a string, or a list of token ids", "prompt")
+        gen.prompts = [_one_prompt(prompt, "prompt")]
+    first = gen.prompts[0]
+    if isinstance(first, str):
+        gen.prompt = first
+    else:
+        gen.prompt_ids = first
 
 
 def _logprobs(body: dict, name: str) -> int | None:
@@ -310,6 +401,7 @@ def parse_completion(body) -> Generation:
     gen = _common(body, ("max_tokens",), COMPLETION_FIELDS)
     _prompt(gen, body)
     gen.logprobs = _logprobs(body, "logprobs")
+    gen.echo = bool(_boolean(body, "echo"))
     _structured(gen, body)
     return gen
 

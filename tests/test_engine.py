@@ -175,7 +175,7 @@ def test_request_validation_names_the_field(bf16_engine):
         eng.add_request("e3", [5] * 2000, greedy(eng))
     for bad, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
                        ({"temperature": float("nan")}, "temperature"), ({"top_p": 0}, "top_p"),
-                       ({"top_k": -1}, "top_k"), ({"stop": ["x"] * 100}, "stop"), ({"bogus": 1}, "bogus")]:
+                       ({"top_k": -2}, "top_k"), ({"stop": ["x"] * 100}, "stop"), ({"bogus": 1}, "bogus")]:
         with pytest.raises(RequestError, match=field):
             eng.make_params(bad)
     assert not eng.has_unfinished()
@@ -184,7 +184,10 @@ def test_request_validation_names_the_field(bf16_engine):
 def test_max_tokens_and_max_model_len_give_length(bf16_ckpt):
     eng = make_engine(bf16_ckpt, max_model_len=40)
     ids = eng.tokenizer.encode(PROMPTS[1])[:30]
-    res = eng.generate([ids], greedy(eng, 100))[0]
+    with pytest.raises(RequestError, match="max_tokens"):   # explicit: an error beyond the context (vLLM)
+        eng.generate([ids], greedy(eng, 100))
+    params = eng.make_params({"temperature": 0, "ignore_eos": True})   # the default max_tokens: capped
+    res = eng.generate([ids], params)[0]
     assert res["finish_reason"] == "length" and len(res["output_ids"]) == 10
 
 
@@ -213,6 +216,15 @@ def test_vllm_neutral_keys_are_accepted_and_others_named(bf16_engine):
     eng = bf16_engine
     eng.make_params({"n": 1, "best_of": 1, "min_p": 0.0, "logit_bias": {}, "use_beam_search": False,
                      "length_penalty": 1.0, "prompt_logprobs": None})
-    for key, value in [("n", 2), ("best_of", 3), ("logit_bias", {"5": 1.0}), ("use_beam_search", True)]:
+    for key, value in [("n", 2), ("best_of", 3), ("use_beam_search", True)]:
         with pytest.raises(RequestError, match=repr(key)):
             eng.make_params({key: value})
+
+
+def test_max_tokens_beyond_the_context_is_an_error_naming_it_not_a_clamp(bf16_engine):
+    eng = bf16_engine
+    prompt = list(range(100, 100 + eng.max_model_len - 10))
+    with pytest.raises(RequestError, match="max_tokens: 11 exceeds the 10 tokens left"):
+        eng.make_request("m", prompt, eng.make_params({"max_tokens": 11}))
+    assert eng.make_request("m", prompt, eng.make_params({"max_tokens": 10})).max_tokens == 10
+    assert eng.make_request("m", prompt, eng.make_params({})).max_tokens == 10   # the default is still capped

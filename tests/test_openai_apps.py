@@ -37,12 +37,13 @@ def _stream(text: str, cuts: list[int], **kw) -> tuple[list[dict], str]:
 def test_reasoning_and_tool_call_stream_equals_whole(cuts):
     whole = _fmt(reasoning=True, parse_tools=True).result(TRANSCRIPT, None, "stop", {})
     msg = whole["choices"][0]["message"]
-    assert msg["reasoning_content"] == "\nThe user wants weather.\n"
+    assert msg["reasoning_content"] == msg["reasoning"] == "\nThe user wants weather.\n"
     assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert whole["choices"][0]["finish_reason"] == "tool_calls"
     deltas, reason = _stream(TRANSCRIPT, cuts, reasoning=True, parse_tools=True)
     assert reason == "tool_calls"
     assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
+    assert "".join(d.get("reasoning", "") for d in deltas) == msg["reasoning"]
     assert "".join(d.get("content") or "" for d in deltas).strip() == (msg["content"] or "").strip()
     calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
@@ -55,7 +56,7 @@ def test_reasoning_off_thinking_off_and_include_reasoning_false():
     assert raw["message"]["content"] == TRANSCRIPT and "reasoning_content" not in raw["message"]
     assert raw["finish_reason"] == "stop"
     off = _fmt(reasoning=True, thinking=False).result("plain answer", None, "stop", {})["choices"][0]["message"]
-    assert off["content"] == "plain answer" and off["reasoning_content"] is None
+    assert off["content"] == "plain answer" and off["reasoning_content"] is None and off["reasoning"] is None
     hidden = _fmt(reasoning=True, include_reasoning=False).result("<think>x</think>y", None, "stop", {})
     assert hidden["choices"][0]["message"] == {"role": "assistant", "content": "y", "refusal": None}
     cut = _fmt(reasoning=True).result("<think>still thinking", None, "length", {})["choices"][0]

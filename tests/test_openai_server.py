@@ -5,6 +5,8 @@ import json
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,9 +16,10 @@ import pytest
 import requests
 from openai import OpenAI
 
+from backend_lib.sampling.params import bad_words_token_ids
 from backend_lib.tokenizer import Tokenizer
 from client.stream import stream_generate
-from helpers import tokenizer_model
+from helpers import ROOT, tokenizer_model
 from harness.openai_front import Front
 from harness.triton_server import free_port
 
@@ -207,14 +210,13 @@ def test_raw_server_sent_events_format(front):
 # ----- errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind, fields, param", [
     ("completion", {"temperature": -1}, "temperature"),
-    ("completion", {"n": 2}, "n"),
+    ("completion", {"n": 20}, "n"),
     ("completion", {"top_p": 1.5}, "top_p"),
     ("completion", {"max_tokens": 0}, "max_tokens"),
     ("completion", {"max_tokens": 100000}, "max_tokens"),   # the LLM model's own limit (INVALID_ARG)
-    ("completion", {"prompt": ["one", "two"]}, "prompt"),
     ("completion", {"prompt": None}, "prompt"),
     ("completion", {"extra_body": {"temperature": "hot"}}, "temperature"),
-    ("chat", {"n": 3}, "n"),
+    ("chat", {"n": 30}, "n"),
     ("chat", {"messages": None}, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
@@ -269,11 +271,15 @@ def _post(front, kind: str, fields: dict, stream: bool = False, **kw) -> request
     ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
     ("completion", {"max_tokens": 2.5}, "max_tokens"),
     # vLLM/OpenAI fields accepted only with their neutral value
-    ("completion", {"n": 2}, "n"),
+    ("completion", {"n": 2**31}, "n"),
     ("chat", {"n": True}, "n"),
     ("completion", {"best_of": 3}, "best_of"),
-    ("chat", {"logit_bias": {"15": 100}}, "logit_bias"),
-    ("completion", {"echo": True}, "echo"),
+    ("chat", {"logit_bias": {"15": 100.5}}, "logit_bias"),
+    ("completion", {"logit_bias": {str(i): 1 for i in range(10**4)}}, "logit_bias"),
+    ("completion", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("chat", {"allowed_token_ids": [2**31]}, "allowed_token_ids"),
+    ("completion", {"bad_words": ["x"] * 1000}, "bad_words"),
+    ("completion", {"echo": "yes"}, "echo"),
     ("chat", {"use_beam_search": True}, "use_beam_search"),
     ("completion", {"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
 ])
@@ -318,6 +324,31 @@ def test_neutral_vllm_and_openai_values_are_accepted(triton, front):
     chat = _post(front, "chat", {"n": 1, "logit_bias": None, "best_of": 1, "min_p": 0.05, "max_tokens": 3,
                                  "temperature": 0, "ignore_eos": True})
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 3, chat.text
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_sampler(triton, front, tok, kind):
+    base = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    def tokens(fields):
+        r = _post(front, kind, {**base, **fields, "logprobs": 1 if kind == "completion" else True})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        return lp["tokens"] if kind == "completion" else [e["token"] for e in lp["content"]]
+
+    plain = tokens({})
+    forced = tok.decode([1234], skip_special_tokens=False)
+    assert plain != [forced] * 5
+    assert tokens({"logit_bias": {"1234": 100}}) == [forced] * 5
+    assert tokens({"allowed_token_ids": [1234, 4321], "logit_bias": {"4321": -100}}) == [forced] * 5
+    if kind == "completion":   # a bad word: the first reference token that round-trips through the tokenizer
+        ref = stream_generate(triton.grpc_url, "qwen3_a8w8", PROMPT, sampling_parameters=base)["output_ids"]
+        i = next(i for i, t in enumerate(ref) if [t] in bad_words_token_ids([tok.decode([t])], tok.encode))
+        banned = tokens({"bad_words": [tok.decode([ref[i]])]})
+        assert banned[:i] == plain[:i] and banned[i] != plain[i]
+    r = _post(front, kind, {**base, "logit_bias": {"9999999": 5}})   # outside the vocabulary: the model's check
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert tokens({}) == plain   # nothing left behind
 
 
 def test_the_largest_seed_reaches_triton_unwrapped(triton, front):
@@ -396,7 +427,7 @@ def test_sigterm_aborts_the_fronts_streams_and_exits_within_seconds_with_a_slow_
     the front exits within seconds although one client stopped reading; Triton's requests end too."""
     model = "qwen3_tq"
     own = Front(triton.grpc_url, tmp_path / "front.log")
-    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
                        "stream": True}).encode()
     slow = socket.create_connection(("127.0.0.1", own.port))   # sends its request, then never reads
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -532,12 +563,16 @@ def test_cache_salt_reaches_the_prefix_cache(triton, client):
     prompt = "Shared context for every tenant. " * 10
     hits = lambda: triton.metric("vllm:prefix_cache_hits_total", m)  # noqa: E731
     kw = dict(model=m, prompt=prompt, max_tokens=4, temperature=0)
-    a = client.completions.create(**kw, extra_body={"cache_salt": "a"}).choices[0].text
+    first = client.completions.create(**kw, extra_body={"cache_salt": "a"})
+    a = first.choices[0].text
     h0 = hits()
-    assert client.completions.create(**kw, extra_body={"cache_salt": "b"}).choices[0].text == a
+    other = client.completions.create(**kw, extra_body={"cache_salt": "b"})
+    assert other.choices[0].text == a and other.usage.prompt_tokens_details.cached_tokens == 0
     assert hits() == h0                                       # another salt shares nothing
-    assert client.completions.create(**kw, extra_body={"cache_salt": "a"}).choices[0].text == a
-    assert hits() > h0
+    again = client.completions.create(**kw, extra_body={"cache_salt": "a"})
+    assert again.choices[0].text == a
+    assert hits() - h0 == again.usage.prompt_tokens_details.cached_tokens > 0   # usage reports the cache hit
+    assert again.usage.prompt_tokens_details.cached_tokens % 16 == 0 < again.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.completions.create(**kw, extra_body={"cache_salt": 5})
 
@@ -685,3 +720,145 @@ def test_a_schema_that_does_not_compile_never_touches_the_requests_beside_it(tri
         assert all(b.result() in ("ok", 400) for b in bads)
     assert bads[0].result() == 400
     assert triton.model_ready("qwen3_a8w8")
+
+
+# ----- scoring, several prompts, n -------------------------------------------------------------------
+SCORE_IDS = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]
+
+
+@pytest.fixture(scope="module")
+def scored(a8w8_ckpt):
+    proc = subprocess.run([sys.executable, "-m", "backend_lib.score", "--checkpoint", str(a8w8_ckpt), "--ids",
+                           ",".join(map(str, SCORE_IDS)), "--dtype", "bfloat16", "--page-size", "16", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])["logprobs"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_backend_lib_score(client, tok, scored):
+    # what lm-eval's local-completions sends for loglikelihood: echo, logprobs 1, max_tokens 1, a batch of ids
+    r = client.completions.create(model="qwen3_a8w8", prompt=[SCORE_IDS, SCORE_IDS[:6]], echo=True, logprobs=1,
+                                  max_tokens=1, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, ids in zip(r.choices, [SCORE_IDS, SCORE_IDS[:6]]):
+        lp = c.logprobs
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == scored[1:len(ids)]   # exactly
+        assert lp.tokens[:len(ids)] == [tok.decode([i], skip_special_tokens=False) for i in ids]
+        assert c.text.startswith(tok.decode(ids, skip_special_tokens=False))
+        assert all(lp.tokens[k] in lp.top_logprobs[k] for k in range(1, len(ids)))
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert r.usage.prompt_tokens == len(SCORE_IDS) + 6 and r.usage.completion_tokens == 2
+    # streamed: the prompt comes first, then the tokens
+    chunks = list(client.completions.create(model="qwen3_a8w8", prompt=SCORE_IDS, echo=True, logprobs=1,
+                                            max_tokens=1, temperature=0, stream=True))
+    streamed = [lp for ch in chunks for lp in (ch.choices[0].logprobs.token_logprobs
+                                                if ch.choices and ch.choices[0].logprobs else [])]
+    assert streamed == r.choices[0].logprobs.token_logprobs
+    # vLLM's prompt_logprobs
+    v = _post_raw(client, {"prompt": SCORE_IDS, "prompt_logprobs": 2, "max_tokens": 1, "temperature": 0})
+    plp = v["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and [plp[k][str(SCORE_IDS[k])]["logprob"] for k in range(1, 10)] == scored[1:]
+    assert all(2 <= len(d) <= 3 for d in plp[1:])
+
+
+def _post_raw(client, fields, path="completions"):
+    r = requests.post(f"{str(client.base_url).rstrip('/')}/{path}", json={"model": "qwen3_a8w8", **fields},
+                      timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_several_prompts_and_n_choices_equal_their_single_requests(client):
+    prompts = [PROMPT, "Once upon a time", [9707, 11, 1879]]
+    single = [client.completions.create(model="qwen3_a8w8", prompt=p, max_tokens=5, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    r = client.completions.create(model="qwen3_a8w8", prompt=prompts, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == single
+    # n: seeded choices j = the request with seed + j (reproducible), streamed with their index
+    seeded = dict(model="qwen3_a8w8", max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=PROMPT, n=3, **seeded)
+    again = client.completions.create(prompt=PROMPT, n=3, **seeded)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    for j, c in enumerate(r.choices):
+        one = client.completions.create(prompt=PROMPT, **{**seeded, "seed": 11 + j})
+        assert c.index == j and c.text == one.choices[0].text
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == one.usage.prompt_tokens
+    chunks = list(client.completions.create(prompt=PROMPT, n=3, stream=True, stream_options={"include_usage": True},
+                                            **seeded))
+    texts = {}
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {j: c.text for j, c in enumerate(r.choices)}
+    assert chunks[-1].usage.completion_tokens == 18
+    chat = client.chat.completions.create(model="qwen3_a8w8", messages=MESSAGES, n=2, max_tokens=4, temperature=1.0,
+                                          seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": ["x"] * 10**4}, "prompt"), ({"n": 17}, "n"), ({"n": 0}, "n"), ({"n": True}, "n"),
+    ({"prompt": ["x"] * 20, "n": 16}, "prompt"), ({"prompt": ["ok", ""]}, "prompt"), ({"prompt": ["ok", [-1]]}, "prompt"),
+    ({"stream": True, "prompt_logprobs": 0}, "prompt_logprobs"), ({"echo": 1}, "echo"),
+    ({"stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
+    ({"priority": 3}, "priority"),          # the served models schedule fcfs
+    ({"priority": 2**40}, "priority"),
+])
+def test_hostile_batches_fail_alone_naming_the_field(triton, front, fields, param):
+    before = triton.metric("vllm:prompt_tokens_total", "qwen3_a8w8")
+    r = _post(front, "completion", fields)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert triton.metric("vllm:prompt_tokens_total", "qwen3_a8w8") == before
+
+
+def test_continuous_usage_stats_on_every_chunk(client):
+    chunks = list(client.completions.create(model="qwen3_a8w8", prompt=PROMPT, max_tokens=4, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks if ch.choices and ch.choices[0].text]
+    assert counts == [1, 2, 3, 4]
+
+
+# ----- tokenize, detokenize, token strings without --tokenizer ----------------------------------------
+def test_tokenize_and_detokenize_in_vllms_shapes(triton, front, keyed_front, tok):
+    def post(server, path, body, key=None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return requests.post(f"{server.url}/{path}", json=body, headers=headers, timeout=60)
+
+    r = post(front, "tokenize", {"model": "qwen3_a8w8", "prompt": PROMPT, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode(PROMPT) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 1024 and "".join(body["token_strs"]) == PROMPT
+    chat = post(front, "tokenize", {"model": "qwen3_a8w8", "messages": MESSAGES,
+                                    "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert chat["tokens"] == template_ids(triton, MESSAGES, False)
+    back = post(front, "detokenize", {"model": "qwen3_a8w8", "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": PROMPT}
+    # without --tokenizer: the model's own checkpoint's tokenizer
+    keyed = post(keyed_front, "detokenize", {"model": "qwen3_a8w8", "tokens": body["tokens"]}, API_KEY)
+    assert keyed.status_code == 200 and keyed.json() == {"prompt": PROMPT}
+    assert post(keyed_front, "detokenize", {"model": "qwen3_a8w8", "tokens": [1]}).status_code == 401
+    for path, fields, param in [("tokenize", {"prompt": PROMPT, "bogus": 1}, "bogus"),
+                                ("tokenize", {}, "prompt"), ("tokenize", {"prompt": PROMPT, "messages": MESSAGES}, "prompt"),
+                                ("detokenize", {"tokens": [-1]}, "tokens"), ("detokenize", {"tokens": [10**8]}, "tokens"),
+                                ("detokenize", {"tokens": "1 2"}, "tokens")]:
+        bad = post(front, path, {"model": "qwen3_a8w8", **fields})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, fields, bad.text)
+
+
+def test_logprob_token_strings_are_real_without_a_tokenizer(keyed_front, tok):
+    client = keyed_front.client(API_KEY)
+    r = client.completions.create(model="qwen3_a8w8", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                  echo=True)
+    lp = r.choices[0].logprobs
+    assert not any(t.startswith("token_id:") for t in lp.tokens)
+    assert lp.tokens[:len(tok.encode(PROMPT))] == [tok.decode([i], skip_special_tokens=False)
+                                                   for i in tok.encode(PROMPT)]
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    chat = client.chat.completions.create(model="qwen3_a8w8", messages=MESSAGES, max_tokens=3, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    assert all(not e.token.startswith("token_id:") and len(e.top_logprobs) == 2 for e in chat.choices[0].logprobs.content)

@@ -214,7 +214,7 @@ def test_hostile_requests_fail_alone_beside_reference_streams(triton):
         assert "internal error" not in s.error.lower() and s.ids == [], s.error
     # HTTP generate: JSON keys that are not inputs are request parameters; surrogates in JSON strings
     for body, words in [({"text_input": PROMPT, "max_tokens": 3, "bogus": 1}, "bogus"),
-                        ({"text_input": PROMPT, "max_tokens": 3, "n": 2}, "'n'"),
+                        ({"text_input": PROMPT, "max_tokens": 3, "n": 2}, "n: 2 choices need stream"),
                         ({"text_input": PROMPT, "input_ids": [1, 2], "max_tokens": 3}, "input_ids"),
                         ({"text_input": PROMPT, "sampling_parameters": '{"seed": %s}' % ("7" * 999)},
                          "sampling_parameters.seed")]:
@@ -252,3 +252,16 @@ def test_the_tokenizer_model_names_the_field_of_hostile_messages_and_tools(trito
     finally:
         client.close()
     assert words in str(exc.value) and "internal" not in str(exc.value).lower(), str(exc.value)
+
+
+def test_one_abort_token_ends_every_choice_of_an_n_request(triton):
+    inputs = build_inputs(f"{PROMPT} choices", max_tokens=600, return_finish_reason=True, return_abort_token=True,
+                          sampling_parameters={"temperature": 1.0, "seed": 3, "ignore_eos": True, "n": 3})
+    s = Stream(triton.grpc_url, MODEL, inputs, request_id="n-choices")
+    assert s.got_token.wait(60) and s.token
+    assert triton.wait_until(lambda: triton.metric("vllm:num_requests_running", MODEL) >= 3, 30)
+    _abort(triton.grpc_url, "n-choices", s.token)
+    s.wait(60)
+    assert s.error is None and s.finish == "abort" and len(s.ids) < 3 * 600
+    assert triton.wait_until(lambda: triton.metric("vllm:num_requests_running", MODEL) == 0, 10)
+    assert triton.wait_until(lambda: triton.metric("vllm:kv_cache_pages_used", MODEL) == 0, 10)

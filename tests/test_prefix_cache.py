@@ -140,3 +140,20 @@ def test_aborting_a_request_that_shares_pages_leaves_the_other_exact(bf16_ckpt):
             break
     assert out_a == ids(off.generate([p1], greedy(off, 30)))[0]
     assert on.block_manager.num_used == 0
+
+
+def test_each_output_reports_the_prompt_tokens_the_cache_served(bf16_ckpt):
+    from helpers import make_engine
+    eng = make_engine(bf16_ckpt, enable_prefix_caching=True)
+    ids = eng.tokenizer.encode("A prompt long enough to fill some pages of sixteen tokens each. " * 3)
+    params = eng.make_params({"temperature": 0, "max_tokens": 2, "ignore_eos": True})
+
+    def cached():
+        eng.add_request("c", ids, params)
+        seen = set()
+        while eng.has_unfinished():
+            seen |= {o.num_cached_tokens for o in eng.step() if o.request_id == "c"}
+        return seen
+
+    assert cached() == {0}
+    assert cached() == {(len(ids) - 1) // 16 * 16}

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from backend_lib.sampling.errors import RequestError
 from backend_lib.serving import schema
 from backend_lib.serving.request import parse_request
 from backend_lib.serving.responses import abort_token_arrays, output_arrays
@@ -56,24 +57,40 @@ def test_llm_auto_complete_declares_every_schema_field_optional_and_decoupled():
 def test_every_sampling_input_reaches_the_sampling_fields_with_its_schema_type():
     values = {"max_tokens": 7, "min_tokens": 1, "top_k": 3, "temperature": 0.5, "top_p": 0.75,
               "presence_penalty": 0.25, "frequency_penalty": 0.5, "repetition_penalty": 1.5, "seed": 11}
-    assert set(values) == set(schema.SAMPLING_INPUTS)
+    assert set(values) | {"min_length"} == set(schema.SAMPLING_INPUTS)   # min_length: TRT-LLM's min_tokens
     tensors = {t.name(): t for t in build_inputs("hi", stream=False, **values)}
-    for name in schema.SAMPLING_INPUTS:   # the client sends the schema's wire type
+    for name in values:   # the client sends the schema's wire type
         assert tensors[name].datatype() == schema.LLM_INPUT[name].wire_type
     arrays = {name: np.array(v, dtype=schema.LLM_INPUT[name].np_dtype).reshape(1) for name, v in values.items()}
     arrays["text_input"] = np.array([b"hi"], dtype=np.object_)
     req = parse_request(arrays, None)
     assert req.sampling == values and req.text == "hi"
+    arrays["min_length"] = np.array([1], dtype=np.int32)
+    assert parse_request(arrays, None).sampling == values   # the same value under both names
+    arrays["min_length"] = np.array([2], dtype=np.int32)
+    with pytest.raises(RequestError, match="min_length and min_tokens"):
+        parse_request(arrays, None)
+    del arrays["min_tokens"]
+    assert parse_request(arrays, None).sampling["min_tokens"] == 2
 
 
 def test_outputs_use_the_schema_dtypes():
     class Flags:
         return_finish_reason = return_num_input_tokens = return_num_output_tokens = return_logprobs = True
+        return_num_cached_tokens = True
 
     arrays = output_arrays("é", [1, 2], finish_reason="stop", num_input_tokens=3, num_output_tokens=2,
-                           cumulative_logprob=-1.5, logprobs=[{"id": 1}], flags=Flags)
+                           cumulative_logprob=-1.5, logprobs=[{"id": 1, "logprob": -0.5, "rank": 2, "top": [
+                               {"id": 3, "logprob": -0.25}, {"id": 1, "logprob": -0.5}]}], flags=Flags,
+                           prompt_logprobs=[{"id": 2, "logprob": None, "rank": None, "top": []}],
+                           token_text=lambda i: f"<{i}>", num_cached_tokens=16)
     arrays = {**abort_token_arrays("t"), **arrays}
-    assert set(arrays) == {f.name for f in schema.LLM_OUTPUTS}
+    assert [json.loads(x) for x in arrays["prompt_logprobs"]] == [
+        {"id": 2, "logprob": None, "rank": None, "top": [], "decoded_token": "<2>"}]
+    # vllm_backend's shape: one JSON list per response, the sampled token first, each token once
+    assert json.loads(arrays["logprobs"][0]) == [{"1": {"logprob": -0.5, "rank": 2, "decoded_token": "<1>"},
+                                                  "3": {"logprob": -0.25, "rank": 1, "decoded_token": "<3>"}}]
+    assert set(arrays) | {"sequence_index"} == {f.name for f in schema.LLM_OUTPUTS}   # n > 1: added per choice
     for name, arr in arrays.items():
         assert arr.dtype == schema.LLM_OUTPUT[name].np_dtype
-    assert arrays["text_output"][0].decode() == "é" and json.loads(arrays["logprobs"][0]) == {"id": 1}
+    assert arrays["text_output"][0].decode() == "é" and arrays["num_cached_tokens"].tolist() == [16]

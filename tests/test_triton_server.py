@@ -193,3 +193,110 @@ def test_prefix_cache_through_the_server_reuses_pages_and_keeps_the_ids(triton):
     other = collect(triton.grpc_url, m, prompt=prompt, max_tokens=8, **GREEDY)   # no salt: another tenant
     assert other == first and hits() == h1
     assert triton.metric("vllm:kv_cache_pages_cached", m) > 0
+
+
+def _responses(url, model, **request):
+    """Every result object of one gRPC stream request (errors raised)."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer(model, build_inputs(**request), enable_empty_final_response=True)
+    out = []
+    try:
+        while True:
+            r, e = results.get(timeout=120)
+            if e is not None:
+                raise RuntimeError(str(e))
+            out.append(r)
+            if r.get_response().parameters["triton_final_response"].bool_param:
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_prompt_logprobs_output_equals_score_and_masks_apply(triton, a8w8_ckpt, stream):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    ids = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]
+    proc = subprocess.run([sys.executable, "-m", "backend_lib.score", "--checkpoint", str(a8w8_ckpt), "--ids",
+                           ",".join(map(str, ids)), "--dtype", "bfloat16", "--page-size", "16", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    scored = json.loads(proc.stdout.strip().splitlines()[-1])["logprobs"]
+    plain = collect(triton.grpc_url, "qwen3_a8w8", input_ids=ids, max_tokens=6, **GREEDY)
+    sp = {**GREEDY["sampling_parameters"], "prompt_logprobs": 2, "max_tokens": 6}
+    rs = _responses(triton.grpc_url, "qwen3_a8w8", input_ids=ids, stream=stream, sampling_parameters=sp)
+    carrying = [r for r in rs if r.as_numpy("prompt_logprobs") is not None]
+    assert len(carrying) == 1 and carrying[0].as_numpy("output_ids").size > 0   # once, with the first token
+    plp = [json.loads(x) for x in carrying[0].as_numpy("prompt_logprobs")]
+    assert {k: plp[0][k] for k in ("id", "logprob", "rank", "top")} == {"id": ids[0], "logprob": None, "rank": None,
+                                                                         "top": []}
+    assert [e["id"] for e in plp[1:]] == ids[1:] and all(len(e["top"]) == 2 for e in plp[1:])
+    assert [e["logprob"] for e in plp[1:]] == scored[1:]
+    got = [int(i) for r in rs for i in r.as_numpy("output_ids")]
+    assert got == [i for _, ids_, _ in plain for i in ids_]   # the tokens are those of the request without it
+    biased = collect(triton.grpc_url, "qwen3_a8w8", input_ids=ids, stream=stream,
+                     sampling_parameters={**sp, "max_tokens": 4, "logit_bias": {"1234": 100}, "bad_words": ["x"]})
+    assert [i for _, ids_, _ in biased for i in ids_] == [1234] * 4
+    bad = collect(triton.grpc_url, "qwen3_a8w8", input_ids=ids, max_tokens=4,
+                  sampling_parameters={"logit_bias": {"99999999": 1}})
+    assert bad[-1][0] == "ERROR" and "logit_bias" in bad[-1][1]
+
+
+def test_vllm_backend_outputs_mean_what_vllm_backend_documents(triton):
+    """num_output_tokens: this response's count; logprobs: one JSON list per response of {id: {logprob, rank,
+    decoded_token}}; return_cumulative_logprob; top_k -1; min_length (TRT-LLM); exclude_input_in_output
+    false with stream refused; max_tokens beyond the context refused."""
+    rs = _responses(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, return_num_output_tokens=True,
+                    return_logprobs=True, sampling_parameters={"max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                                                               "logprobs": 2, "top_k": -1})
+    tokens = [r for r in rs if r.as_numpy("output_ids").size]
+    assert [int(r.as_numpy("num_output_tokens")[0]) for r in tokens] == [1] * 5
+    total = 0.0
+    for r in tokens:
+        (lp,) = [json.loads(x) for x in r.as_numpy("logprobs")]
+        (entry,) = lp
+        tid = int(r.as_numpy("output_ids")[0])
+        first = next(iter(entry))
+        assert first == str(tid) and entry[first]["rank"] == 1   # greedy: the sampled token is the most likely
+        assert entry[first]["decoded_token"] and not entry[first]["decoded_token"].startswith("token_id:")
+        assert len(entry) == 2 and sorted(v["rank"] for v in entry.values()) == [1, 2]
+        total += entry[first]["logprob"]
+        cum = float(r.as_numpy("cumulative_logprob")[0])
+    assert abs(cum - total) < 1e-3
+    only_cum = _responses(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, return_cumulative_logprob=True,
+                          sampling_parameters={"max_tokens": 3, "temperature": 0})
+    assert only_cum[-1].as_numpy("cumulative_logprob").size == 1 and only_cum[-1].as_numpy("logprobs") is None
+    base = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=4, **GREEDY)
+    assert collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=4, min_length=4, **GREEDY) == base
+    refused = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=4, exclude_input_in_output=False,
+                      **GREEDY)
+    assert refused[-1][0] == "ERROR" and "exclude_input_in_output" in refused[-1][1]
+    long = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=1020, **GREEDY)
+    assert long[-1][0] == "ERROR" and "max_tokens" in long[-1][1] and "exceeds" in long[-1][1]
+
+
+def test_n_choices_on_the_triton_path_stream_with_their_sequence_index(triton):
+    """sampling_parameters n: one Triton stream, each response tagged with its choice's sequence_index, choice j
+    of a seeded request equal to the request with seed + j alone; one final response; an abort ends them all."""
+    sp = {"max_tokens": 6, "temperature": 1.0, "seed": 21, "ignore_eos": True}
+    rs = _responses(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, sampling_parameters={**sp, "n": 3})
+    finals = [r for r in rs if r.get_response().parameters["triton_final_response"].bool_param]
+    assert len(finals) == 1 and finals[0] is rs[-1]
+    by_choice: dict = {}
+    for r in rs:
+        ids = [int(i) for i in r.as_numpy("output_ids")]
+        if ids:
+            by_choice.setdefault(int(r.as_numpy("sequence_index")[0]), []).extend(ids)
+    for j in range(3):
+        alone = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, sampling_parameters={**sp, "seed": 21 + j})
+        assert by_choice[j] == [i for _, ids, _ in alone for i in ids]
+    assert len({tuple(v) for v in by_choice.values()}) > 1
+    bad = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, sampling_parameters={**sp, "n": 3, "logit_bias": {
+        "99999999": 1}})
+    assert bad[-1][0] == "ERROR" and "logit_bias" in bad[-1][1]   # every choice is validated before any runs
+    assert triton.metric("vllm:num_requests_running", "qwen3_a8w8") == 0

@@ -120,13 +120,15 @@ def test_request_parameters_are_strict():
     base = _arrays(text_input="hi")
     for params, field in [({"bogus_key": 1}, "bogus_key"), ({"max_tokenz": 5}, "max_tokenz"),
                           ({"temperatur": 0.5}, "temperatur"), ({"stream": 7}, "parameters.stream"),
-                          ({"n": 2}, "'n'"), ({"sampling_parameters": "{}"}, "sampling_parameters"),
+                          ({"n": 17}, "n must be"), ({"n": 2}, "n: 2 choices need stream"),
+                          ({"n": "x"}, "n must be"), ({"sampling_parameters": "{}"}, "sampling_parameters"),
                           ({"max_tokens": "1" * 400}, "max_tokens"), ({"cache_salt": "\ud800"}, "parameters")]:
         with pytest.raises(RequestError, match=field):
             parse_request(base, json.dumps(params))
     # what the HTTP generate extension sends for JSON keys that are not inputs, and vLLM-backend strings
     req = parse_request(base, json.dumps({"max_tokens": "16", "temperature": 0.5, "stream": "true", "n": 1}))
-    assert req.sampling == {"max_tokens": 16, "temperature": 0.5} and req.stream
+    assert req.sampling == {"max_tokens": 16, "temperature": 0.5} and req.stream and req.n == 1
+    assert parse_request(base, json.dumps({"stream": True, "n": "3"})).n == 3
 
 
 def test_a_field_given_twice_must_agree():
@@ -269,3 +271,37 @@ def test_fuzzed_hostile_documents_get_a_result_or_one_error_naming_a_field_on_ev
         except APIError as exc:
             assert exc.status == 400 and (exc.param is None or exc.param in sent or exc.param in
                                           ("messages", "prompt", "model")), (exc.param, exc.message)
+
+
+def test_token_masks_and_prompt_logprobs_reach_sampling_from_every_place():
+    from backend_lib.serving.request import parse_request
+    import numpy as np
+    base = {"text_input": np.array([b"hi"], dtype=np.object_)}
+    req = parse_request(base, json.dumps({"logit_bias": '{"5": 2}', "bad_words": "foo", "allowed_token_ids": "[1, 2]",
+                                          "prompt_logprobs": "2"}))
+    assert req.sampling == {"logit_bias": {"5": 2}, "bad_words": ["foo"], "allowed_token_ids": [1, 2],
+                            "prompt_logprobs": 2}
+    sp = {"sampling_parameters": np.array([json.dumps({"logit_bias": {"5": 2}}).encode()], dtype=np.object_)}
+    assert parse_request({**base, **sp}, None).sampling == {"logit_bias": {"5": 2}}
+    with pytest.raises(RequestError, match="logit_bias"):
+        parse_request({**base, **sp}, json.dumps({"logit_bias": {"5": 3}}))   # given twice, different values
+
+
+def test_vllm_backend_and_trt_llm_dialect_fields():
+    from backend_lib.serving.request import parse_request
+    text = {"text_input": np.array([b"hi"], dtype=np.object_)}
+    flag = lambda v: np.array([v], dtype=bool)   # noqa: E731
+    with pytest.raises(RequestError, match="exclude_input_in_output"):   # vllm_backend refuses it too
+        parse_request({**text, "stream": flag(True), "exclude_input_in_output": flag(False)}, None)
+    with pytest.raises(RequestError, match="exclude_input_in_output"):
+        parse_request({**text, "stream": flag(True)}, json.dumps({"exclude_input_in_output": False}))
+    assert parse_request({**text, "stream": flag(True), "exclude_input_in_output": flag(True)}, None).stream
+    req = parse_request({**text, "return_cumulative_logprob": flag(True)}, None)
+    assert req.return_cumulative_logprob and req.sampling["logprobs"] == 0
+    assert parse_request(text, json.dumps({"min_length": 3})).sampling == {"min_tokens": 3}
+    with pytest.raises(RequestError, match="min_length"):
+        parse_request(text, json.dumps({"min_length": 3, "min_tokens": 4}))
+    params = SamplingParams.from_dict({"top_k": -1}).validate(SamplingLimits(), 100)
+    assert params.top_k == 0   # vLLM's "off"
+    with pytest.raises(RequestError, match="top_k"):
+        SamplingParams.from_dict({"top_k": -2}).validate(SamplingLimits(), 100)

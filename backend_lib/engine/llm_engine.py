@@ -24,7 +24,7 @@ from ..kernels import get_kernels
 from ..kv_cache import BlockManager
 from ..kv_cache.pool import pool_token_capacity
 from ..kv_cache.prefix import root_hash
-from ..sampling.params import RequestError, SamplingParams
+from ..sampling.params import RequestError, SamplingParams, bad_words_token_ids
 from ..sampling.sampler import SampleError
 from ..sampling.structured import GrammarCompiler
 from ..tokenizer import Tokenizer
@@ -87,7 +87,8 @@ class LLMEngine:
             self.lora = LoraRegistry(parse_lora_modules(cfg.lora_modules), BaseShape.of(mc), cfg.max_loras,
                                      cfg.max_lora_rank, kernels, self.device, cfg.allow_runtime_lora)
         self.block_manager = BlockManager(self.runner.kv_cache.num_pages, cfg.page_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.scheduling_policy)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.end_ids = set(self.tokenizer.end_token_ids) | set(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
@@ -116,11 +117,20 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                                "(prompt plus at least one generated token must fit)")
+        if params.priority and self.cfg.scheduling_policy != "priority":
+            raise RequestError(f"priority: {params.priority} needs the model parameter scheduling_policy: priority "
+                               "(this model schedules fcfs)")
+        room = self.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None and params.max_tokens > room:   # as vLLM: an error, not a clamp
+            raise RequestError(f"max_tokens: {params.max_tokens} exceeds the {room} tokens left in the context "
+                               f"(max_model_len {self.max_model_len} minus the prompt's {len(prompt_ids)})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.cfg.default_max_tokens
         if params.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}"
                                f"{'' if params.max_tokens is not None else ', the default_max_tokens'})")
         lora = self.lora_adapter(params)
+        if params.bad_words and not params.bad_words_ids:
+            params.bad_words_ids = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar.matcher(params.structured_outputs, self.tokenizer.thinking_open(prompt_ids))
@@ -188,7 +198,13 @@ class LLMEngine:
             seq.num_computed += n
             self.scheduler.cache_full_pages(seq)
         outputs = []
+        for seq, _ in plan:
+            if seq.failure is not None and seq.finish_reason is None:
+                log.warning("request %s failed: %s", seq.request_id, seq.failure)
+                outputs.append(self._finish(seq, "error", seq.failure))
         for seq, sample in results:
+            if seq.finish_reason is not None:   # failed above
+                continue
             if isinstance(sample, SampleError):
                 log.warning("request %s failed in sampling: %s", seq.request_id, sample.message)
                 outputs.append(self._finish(seq, "error", sample.message))
@@ -255,6 +271,8 @@ class LLMEngine:
                     continue
                 r["output_ids"] += out.new_token_ids
                 r["text"] += out.new_text
+                if out.prompt_logprobs is not None:
+                    r["prompt_logprobs"] = out.prompt_logprobs
                 if out.finished:
                     r["finish_reason"], r["error"] = out.finish_reason, out.error
         return list(results.values())

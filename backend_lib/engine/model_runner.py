@@ -130,6 +130,7 @@ class ModelRunner:
         else:
             input_ids, positions, meta, rows, seqs = self.prepare(plan)
             hidden = self.forward(plan, input_ids, positions, meta)
+            self._record_prompt_logprobs(plan, hidden)
             if not seqs:
                 return []
             logits = self.model.logits(hidden[rows])
@@ -148,6 +149,35 @@ class ModelRunner:
 
         with self.lora_ctx.use(LoraBatch.of([seq.lora for seq, n in plan for _ in range(n)], self.device)):
             return self.model(input_ids, positions, self.kv_cache, meta)
+
+    def _record_prompt_logprobs(self, plan: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
+        """prompt_logprobs from this step's forward (no second pass): the logits of every row of a
+        sequence's prompt chunk, computed over the chunk's rows as LLMEngine.score computes them, so the
+        values are score's. A failure fails that request alone (seq.failure)."""
+        off = 0
+        for seq, n in plan:
+            rows, off = slice(off, off + n), off + n
+            k = seq.params.prompt_logprobs
+            if k is None or seq.failure is not None:
+                continue
+            start, num_prompt, done = seq.num_computed, len(seq.prompt_ids), len(seq.prompt_logprobs)
+            if start + n < done or done >= num_prompt:   # recomputed after a preemption: recorded already
+                continue
+            try:
+                logp = torch.log_softmax(self.model.logits(hidden[rows]).float(), dim=-1).cpu()
+                top = torch.topk(logp, k, dim=-1) if k else None
+                for i in range(n):
+                    t = start + i + 1                   # the prompt token that row i predicts
+                    if t < done or t >= num_prompt:
+                        continue
+                    tok = seq.prompt_ids[t]
+                    lp = logp[i, tok]
+                    seq.prompt_logprobs.append({
+                        "id": tok, "logprob": lp.item(), "rank": int((logp[i] > lp).sum()) + 1,
+                        "top": [] if top is None else [{"id": j, "logprob": v} for j, v in
+                                                       zip(top.indices[i].tolist(), top.values[i].tolist())]})
+            except Exception as exc:
+                seq.failure = f"prompt_logprobs: computing them failed ({exc})"
 
     @torch.inference_mode()
     def prompt_logprobs(self, seq: Sequence, chunk: int) -> tuple[list[float | None], list[int]]:

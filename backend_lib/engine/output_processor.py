@@ -39,7 +39,7 @@ class OutputProcessor:
         logprobs = None
         if sample.logprob is not None:
             seq.cumulative_logprob += sample.logprob
-            logprobs = [{"id": tok, "logprob": sample.logprob,
+            logprobs = [{"id": tok, "logprob": sample.logprob, "rank": sample.rank,
                          "top": [{"id": i, "logprob": lp} for i, lp in sample.top_logprobs or []]}]
         state = self._text[seq.request_id]
         n_out = len(seq.output_ids)
@@ -70,7 +70,10 @@ class OutputProcessor:
 
     @staticmethod
     def output(seq: Sequence, ids, text, logprobs, error: str | None = None) -> RequestOutput:
-        return RequestOutput(
+        prompt_logprobs = None
+        if seq.prompt_logprobs and not seq.prompt_logprobs_sent and len(seq.prompt_logprobs) == len(seq.prompt_ids):
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+        return RequestOutput(prompt_logprobs=prompt_logprobs, num_cached_tokens=seq.num_cached_tokens or 0,
             request_id=seq.request_id, new_token_ids=list(ids), new_text=text,
             finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids), new_logprobs=logprobs,

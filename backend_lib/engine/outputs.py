@@ -17,3 +17,5 @@ class RequestOutput:
     new_logprobs: list[dict] | None = None
     cumulative_logprob: float | None = None
     error: str | None = None
+    num_cached_tokens: int = 0            # of the prompt's, served from the prefix cache
+    prompt_logprobs: list[dict | None] | None = None   # requested: every prompt token's, in the first output

@@ -4,8 +4,11 @@ Each step first gives every running decode its one token, then continues chunked
 admits waiting requests, all within a token budget, so a long prompt never stalls the decoding of
 others. With prefix caching, an admitted request first takes the cached pages that hold the longest
 run of its full pages (at least its last token is computed, for its logits), and every page that
-becomes full is recorded in the cache. When the page pool runs dry the newest running sequence is preempted (its pages freed,
-recomputed later from its prompt and the tokens it already produced); nothing is ever dropped.
+becomes full is recorded in the cache; a request whose next full page a running prefill is computing
+waits for it (one prefill for n choices or concurrent requests of one prompt). When the page pool runs
+dry the newest running sequence (with scheduling_policy priority: the lowest-priority one) is preempted
+(its pages freed, recomputed later from its prompt and the tokens it already produced); nothing is ever
+dropped.
 """
 from __future__ import annotations
 
@@ -16,8 +19,11 @@ from .sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs"):
         self.bm = block_manager
+        self.priority = policy == "priority"
+        self._arrivals = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -28,7 +34,26 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        self._enqueue(seq)
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, int]:
+        """Priority order: lower `priority` first, then earlier arrival."""
+        return (seq.params.priority, seq.arrival)
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        if not self.priority:
+            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            return
+        key = self._rank(seq)
+        i = next((i for i, s in enumerate(self.waiting) if self._rank(s) > key), len(self.waiting))
+        self.waiting.insert(i, seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the newest (fcfs), or the lowest priority, newest among equals."""
+        return max(self.running, key=self._rank) if self.priority else self.running[-1]
 
     def remove(self, seq: Sequence) -> None:
         """Takes a sequence out (finished or aborted) and frees its pages at once."""
@@ -43,7 +68,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq.block_table)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.num_preemptions += 1
 
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -57,7 +82,7 @@ class Scheduler:
                 continue
             n = min(seq.num_pending, budget)
             while not self.bm.can_grow(seq.block_table, seq.num_computed + n):
-                victim = self.running[-1]
+                victim = self._victim()
                 if victim in plan:
                     budget += plan.pop(victim)
                 self._preempt(victim)
@@ -70,16 +95,29 @@ class Scheduler:
             plan[seq] = n
             budget -= n
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = next((s for s in self.waiting if not self._follows_a_prefill(s)), None)
+            if seq is None:
+                break
             cached = self._cached_prefix(seq)
             start = len(cached) * self.bm.page_size
             n = min(seq.num_tokens - start, budget)
-            if self.bm.extra_pages(cached, start + n) + self.bm.cost_of(cached) > self.bm.num_free:
+            need = lambda: self.bm.extra_pages(cached, start + n) + self.bm.cost_of(cached)  # noqa: E731
+            while self.priority and need() > self.bm.num_free and self.running and \
+                    self._rank(self._victim()) > self._rank(seq):   # a lower-priority request gives way
+                victim = self._victim()
+                if victim in plan:
+                    budget += plan.pop(victim)
+                self._preempt(victim)
+                preempted = True
+                n = min(seq.num_tokens - start, budget)
+            if need() > self.bm.num_free:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if self.bm.caching:
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += start
+                if seq.num_cached_tokens is None:   # at first admission (a preempted one recomputes)
+                    seq.num_cached_tokens = start
                 self.bm.acquire(cached)
                 seq.block_table, seq.num_computed, seq.num_registered = cached, start, len(cached)
             seq.status = SequenceStatus.RUNNING
@@ -89,9 +127,29 @@ class Scheduler:
             budget -= n
         return list(plan.items())
 
+    def _follows_a_prefill(self, seq: Sequence) -> bool:
+        """Whether seq's next uncached full page is one that a running prefill is computing now (the same
+        prompt prefix, n > 1 or concurrent requests): seq then waits for it, and the prefix cache hands it
+        the pages instead of a second prefill."""
+        if not self.bm.caching or seq.num_computed or seq.params.prompt_logprobs is not None:
+            return False
+        ps = self.bm.page_size
+        full = (seq.num_tokens - 1) // ps
+        have = len(self._cached_prefix(seq))
+        if have >= full:
+            return False
+        want = seq.full_page_hashes(full, ps)[have]
+        for r in self.running:
+            if r.num_pending > 1 and r.num_registered <= have and r.cache_root == seq.cache_root \
+                    and (r.num_tokens - 1) // ps > have and r.full_page_hashes(have + 1, ps)[have] == want:
+                return True
+        return False
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached pages holding the longest run of seq's full pages, leaving at least one token to compute."""
-        if not self.bm.caching or seq.num_computed:
+        """Cached pages holding the longest run of seq's full pages, leaving at least one token to compute.
+        A request for prompt_logprobs takes none: its whole prompt is computed (the pages it fills are still
+        recorded for others)."""
+        if not self.bm.caching or seq.num_computed or seq.params.prompt_logprobs is not None:
             return []
         return self.bm.match(seq.full_page_hashes((seq.num_tokens - 1) // self.bm.page_size, self.bm.page_size))
 

@@ -36,6 +36,14 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.grammar = grammar                 # structured output: a GrammarState, or None
         self.finish_reason: str | None = None
+        self.failure: str | None = None        # a per-request fault found outside sampling (fails it alone)
+        # prompt_logprobs: one entry per prompt token, filled during the prefill; the first has no context
+        # (logprob None) and is there to name the token
+        self.prompt_logprobs: list[dict] = [] if params.prompt_logprobs is None else [
+            {"id": self.prompt_ids[0], "logprob": None, "rank": None, "top": []}]
+        self.prompt_logprobs_sent = False
+        self.arrival = 0                       # admission order (the scheduler's tie-break)
+        self.num_cached_tokens: int | None = None   # prompt tokens served from the prefix cache (admission)
         self.cache_root: bytes | None = None   # prefix caching on: the root of this request's page hashes
         self.page_hashes: list[bytes] = []     # hashes of the first full pages of `tokens` (a chain)
         self.num_registered = 0                # pages of block_table recorded in the prefix cache

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from .errors import RequestError
-from .sampler import Sample, SampleError, Sampler
+from .sampler import GRAMMAR_BLOCKED, Sample, SampleError, Sampler
 
 log = logging.getLogger(__name__)
 
 # columns of the one tensor that travels back (float64: ids < 2**53 and fp32 values are exact in it)
-TOKEN, FINITE, BAD_VALUE, NONE_ALLOWED, LOGPROB, TOP = range(6)
+TOKEN, FINITE, BAD_VALUE, NONE_ALLOWED, LOGPROB, RANK, TOP = range(7)
 HOST_ONLY_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words_ids", "bad_words")
 
 
@@ -136,13 +136,15 @@ def sample_batch(logits: torch.Tensor, rows: StepRows) -> torch.Tensor:
     cols = [token.double(), row_finite.double(), bad_value.double(), none_allowed.double()]
     if rows.top_n >= 0:
         lp = torch.log_softmax(logits, dim=-1)
-        cols.append(lp.gather(1, token.unsqueeze(1)).squeeze(1).double())
+        chosen = lp.gather(1, token.unsqueeze(1))
+        cols.append(chosen.squeeze(1).double())
+        cols.append(((lp > chosen).sum(dim=-1) + 1).double())   # the host sampler's rank: 1 = the most likely
         out = torch.stack(cols, dim=1)
         if rows.top_n > 0:
             top_vals, top_ids = torch.topk(lp, rows.top_n, dim=-1)
             out = torch.cat([out, top_ids.double(), top_vals.double()], dim=1)
         return out
-    cols.append(torch.zeros_like(cols[0]))
+    cols += [torch.zeros_like(cols[0]), torch.zeros_like(cols[0])]
     return torch.stack(cols, dim=1)
 
 
@@ -239,13 +241,13 @@ def unpack(packed: torch.Tensor, seqs: list, errors: list) -> list[Sample | Samp
         elif errors[b] is not None:
             out.append(errors[b])
         elif grammar and row[NONE_ALLOWED]:
-            out.append(SampleError("structured_outputs: no token is allowed here (the grammar is complete "
-                                   "but min_tokens, or stop_token_ids, forbid ending)"))
+            out.append(SampleError(GRAMMAR_BLOCKED))
         else:
             sample = Sample(int(row[TOKEN]))
             n = s.params.logprobs
             if n is not None:
                 sample.logprob = row[LOGPROB]
+                sample.rank = int(row[RANK])
                 sample.top_logprobs = [(int(i), v) for i, v in zip(row[TOP:TOP + n], row[TOP + n_top:TOP + n_top + n])]
             out.append(sample)
     return out

@@ -16,8 +16,8 @@ GREEDY_TEMPERATURE = 1e-5
 # Triton's OpenAI frontend included, sends by default); any other value is an error naming the key.
 NEUTRAL_KEYS = {
     "n": (1,), "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
-    "early_stopping": (False,), "logit_bias": ({},), "prompt_logprobs": (), "bad_words": ([],),
-    "allowed_token_ids": (), "logits_processors": ([],), "include_stop_str_in_output": (False,),
+    "early_stopping": (False,), "logits_processors": ([],),
+    "include_stop_str_in_output": (False,),
     "detokenize": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
 }
 
@@ -32,6 +32,9 @@ class SamplingLimits:
     max_stop_string_len: int = 256
     max_stop_token_ids: int = 64
     max_logprobs: int = 20
+    max_logit_bias: int = 1024            # logit_bias entries
+    max_bad_words: int = 64
+    max_bad_word_len: int = 256
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,15 @@ RANGES: dict[str, Range] = {
     "min_tokens": Range(int, 0, INT32_MAX),
     "temperature": Range(float, 0.0, 1e4),           # below GREEDY_TEMPERATURE: greedy
     "top_p": Range(float, 0.0, 1.0, lo_open=True),
-    "top_k": Range(int, 0, INT32_MAX),               # 0: off (the OpenAI front maps vLLM's -1 to 0)
+    "top_k": Range(int, 0, INT32_MAX),               # 0: off (vLLM's -1 is taken as 0)
     "min_p": Range(float, 0.0, 1.0),
     "seed": Range(int, 0, 2**64 - 1),
     "logprobs": Range(int, 0, INT32_MAX),            # and at most the server's max_logprobs limit
+    "prompt_logprobs": Range(int, 0, INT32_MAX),     # and at most the server's max_logprobs limit
     "presence_penalty": Range(float, -2.0, 2.0),
     "frequency_penalty": Range(float, -2.0, 2.0),
     "repetition_penalty": Range(float, 0.0, 1e4, lo_open=True),
+    "priority": Range(int, -2**31, INT32_MAX),
 }
 
 
@@ -104,18 +109,25 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None     # every prompt token's logprob and its top-N alternatives
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None      # only these tokens may be sampled
+    bad_words: list[str] = field(default_factory=list)   # words never generated (vLLM: token sequences)
+    # bad_words as token sequences (set by LLMEngine.make_request from the tokenizer, as vLLM does)
+    bad_words_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
     cache_salt: str | None = None          # prefix caching: only requests with the same salt share pages
+    priority: int = 0                      # scheduling_policy priority: lower first (vLLM)
     structured_outputs: StructuredSpec | None = None   # parsed from structured_outputs / guided_* keys
     lora_name: str | None = None           # the LoRA adapter to run with (docs/lora.md); None: the base model
     lora_path: str | None = None           # with allow_runtime_lora: where lora_name is loaded from on first use
 
     @classmethod
     def names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
+        return {f.name for f in fields(cls) if f.init}
 
     @classmethod
     def from_dict(cls, data: dict, defaults: dict | None = None) -> "SamplingParams":
@@ -131,9 +143,11 @@ class SamplingParams:
 
     def validate(self, limits: SamplingLimits, vocab_size: int) -> "SamplingParams":
         """Checks types and ranges (RANGES, then the server's limits), normalizes types; returns self."""
+        if type(self.top_k) is int and self.top_k == -1:   # vLLM's "off"
+            self.top_k = 0
         for name in RANGES:
             value = getattr(self, name)
-            if name == "logprobs" and isinstance(value, bool):
+            if name in ("logprobs", "prompt_logprobs") and isinstance(value, bool):
                 value = 0 if value else None
             setattr(self, name, check_number(name, value))
         if self.max_tokens is not None and self.max_tokens > limits.max_tokens:
@@ -142,6 +156,9 @@ class SamplingParams:
             raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs > limits.max_logprobs:
             raise RequestError(f"logprobs must be between 0 and {limits.max_logprobs}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs > limits.max_logprobs:
+            raise RequestError(f"prompt_logprobs must be between 0 and {limits.max_logprobs}, "
+                               f"got {self.prompt_logprobs}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
@@ -162,6 +179,7 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not 0 <= t < vocab_size:
                 raise RequestError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+        self._validate_token_masks(limits, vocab_size)
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
@@ -174,6 +192,78 @@ class SamplingParams:
         if not isinstance(self.skip_special_tokens, bool):
             raise RequestError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
         return self
+
+
+    def _validate_token_masks(self, limits: SamplingLimits, vocab_size: int) -> None:
+        """logit_bias (JSON object keys are strings), allowed_token_ids, bad_words: types, ids, bounds."""
+        self.logit_bias = check_logit_bias(self.logit_bias, vocab_size, limits.max_logit_bias)
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise RequestError("allowed_token_ids must be a non-empty list of token ids")
+            if len(ids) > vocab_size:
+                raise RequestError(f"allowed_token_ids: {len(ids)} ids, more than the vocabulary's {vocab_size}")
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                    shown = t if isinstance(t, int) and abs(t) < 10**24 else repr(t)[:32]
+                    raise RequestError(f"allowed_token_ids: {shown} is not a token id in [0, {vocab_size})")
+            self.allowed_token_ids = sorted(set(ids))
+        words = self.bad_words
+        if words is None:
+            words = []
+        if isinstance(words, str):
+            words = [words]
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            raise RequestError("bad_words must be a list of strings")
+        if len(words) > limits.max_bad_words:
+            raise RequestError(f"bad_words: at most {limits.max_bad_words} words, got {len(words)}")
+        for w in words:
+            if len(w) > limits.max_bad_word_len:
+                raise RequestError(f"bad_words: a word is longer than {limits.max_bad_word_len} characters")
+        self.bad_words = [w for w in words if w.strip()]
+
+
+def bad_words_token_ids(words: list[str], encode) -> list[list[int]]:
+    """vLLM's bad_words: each word's tokens, alone and after a space (the form it takes inside a text)
+    when that is a different first token of the same length."""
+    out = []
+    for word in words:
+        plain = encode(word.lstrip())
+        if plain:
+            out.append(plain)
+        spaced = encode(" " + word.lstrip())
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
+
+
+LOGIT_BIAS_RANGE = 100.0
+
+
+def check_logit_bias(value, vocab_size: int | None, max_entries: int) -> dict[int, float] | None:
+    """{token id: bias} from OpenAI's logit_bias (keys are strings in JSON), or a RequestError naming
+    logit_bias. vocab_size None: the ids are checked against int32 only (the OpenAI front)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError(f"logit_bias must be an object mapping token ids to biases, got {type(value).__name__}")
+    if len(value) > max_entries:
+        raise RequestError(f"logit_bias: at most {max_entries} entries, got {len(value)}")
+    hi = vocab_size if vocab_size is not None else INT32_MAX + 1
+    out = {}
+    for key, bias in value.items():
+        tid = key
+        if isinstance(key, str):
+            tid = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else None
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < hi:
+            raise RequestError(f"logit_bias: key {str(key)[:32]!r} is not a token id in [0, {hi})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+                -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE):
+            shown = bias if isinstance(bias, float) or (isinstance(bias, int) and abs(bias) < 10**24) \
+                else repr(bias)[:32]
+            raise RequestError(f"logit_bias[{tid}]: the bias must be a number in [-100, 100], got {shown}")
+        out[tid] = float(bias)
+    return out or None
 
 
 def check_keys(data: dict, where: str = "sampling_parameters") -> dict:

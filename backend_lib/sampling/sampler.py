@@ -23,7 +23,13 @@ from .structured import apply_mask
 class Sample:
     token_id: int
     logprob: float | None = None
+    rank: int | None = None                # of the sampled token among all, 1 = the most likely
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+# A grammar whose every allowed token the request's other rules forbid (one message for both samplers)
+GRAMMAR_BLOCKED = ("structured_outputs: no token is allowed here (the grammar is complete but min_tokens, "
+                   "stop_token_ids, allowed_token_ids or bad_words forbid every token it allows)")
 
 
 @dataclass
@@ -44,6 +50,29 @@ def apply_penalties(row: torch.Tensor, prompt_ids: list[int], output_ids: list[i
         counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=row.device), minlength=vocab)
         counts = counts[:vocab].to(row.dtype)
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def has_token_masks(params) -> bool:
+    return bool(params.allowed_token_ids or params.bad_words_ids or params.logit_bias)
+
+
+def apply_token_masks(row: torch.Tensor, output_ids: list[int], params) -> None:
+    """In place, as vLLM orders them: allowed_token_ids (everything else -inf), bad_words (the last token
+    of a bad word whose other tokens end the output so far), then logit_bias added to the logits."""
+    if params.allowed_token_ids:
+        ids = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=row.device)
+        keep = row[ids].clone()
+        row.fill_(float("-inf"))
+        row[ids] = keep
+    for word in params.bad_words_ids:
+        prefix = len(word) - 1
+        if prefix > len(output_ids):
+            continue
+        if prefix == 0 or output_ids[-prefix:] == word[:prefix]:
+            row[word[-1]] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
 
 
 def _finite(row: torch.Tensor) -> torch.Tensor:
@@ -139,7 +168,8 @@ class Sampler:
             needs_penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
             suppress = len(s.output_ids) < p.min_tokens
             grammar = s.grammar if s.grammar is not None and s.grammar.active else None
-            if out[b] is None and (needs_penalty or suppress or grammar):
+            masks = has_token_masks(p)
+            if out[b] is None and (needs_penalty or suppress or grammar or masks):
                 if not touched:
                     processed, touched = logits.clone(), True
                 try:
@@ -154,6 +184,12 @@ class Sampler:
                     out[b] = SampleError(f"structured_outputs: the grammar failed ({exc})")
                     continue
                 try:
+                    if masks:
+                        apply_token_masks(processed[b], s.output_ids, p)
+                except Exception as exc:
+                    out[b] = SampleError(f"logit_bias / allowed_token_ids / bad_words: applying them failed ({exc})")
+                    continue
+                try:
                     if needs_penalty:
                         apply_penalties(processed[b], s.prompt_ids, s.output_ids, p)
                     if suppress:
@@ -161,9 +197,12 @@ class Sampler:
                 except Exception as exc:
                     out[b] = SampleError(f"sampling: applying penalties failed ({exc})")
                     continue
-                if grammar and not np.isfinite(processed[b].numpy()).any():
-                    out[b] = SampleError("structured_outputs: no token is allowed here (the grammar is complete "
-                                         "but min_tokens, or stop_token_ids, forbid ending)")
+                if (grammar or masks) and not np.isfinite(processed[b].numpy()).any():
+                    if grammar:
+                        out[b] = SampleError(GRAMMAR_BLOCKED)
+                    else:
+                        out[b] = SampleError("allowed_token_ids: no token is allowed here (min_tokens, bad_words or "
+                                             "stop_token_ids forbid every allowed token)")
         greedy = [b for b, s in enumerate(seqs) if s.params.greedy and out[b] is None]
         if greedy:
             picks = greedy_picks(processed, greedy)
@@ -182,6 +221,7 @@ class Sampler:
                 row = logprobs[r]
                 sample = out[b]
                 sample.logprob = float(row[sample.token_id])
+                sample.rank = int((row > row[sample.token_id]).sum()) + 1
                 n = seqs[b].params.logprobs
                 if n:
                     vals, ids = torch.topk(row, n)

@@ -18,13 +18,29 @@ from ..sampling.params import RequestError, check_keys
 from ..sampling.structured import STRUCTURED_KEYS
 from .schema import FLAG_INPUTS, LLM_INPUT, LLM_INPUTS, SAMPLING_INPUTS
 
+ALIASES = {"min_length": "min_tokens"}   # TensorRT-LLM tensor names -> SamplingParams fields
 _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                 "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
                 "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
-                "skip_special_tokens": bool, "cache_salt": str, "lora_name": str,
-                "lora_path": str}
+                "skip_special_tokens": bool, "cache_salt": str, "logit_bias": dict, "allowed_token_ids": list,
+                "bad_words": list, "prompt_logprobs": int, "priority": int, "lora_name": str, "lora_path": str}
 ABORT_INPUTS = tuple(f.name for f in LLM_INPUTS if f.role == "abort")
 MAX_SAMPLING_JSON_BYTES = 1 << 20
+MAX_N = 16
+
+
+def _take_n(data: dict, where: str) -> int | None:
+    """vLLM's n, taken out of the sampling fields (the serving layer forks the choices)."""
+    if "n" not in data:
+        return None
+    v = data.pop("n")
+    if isinstance(v, str) and v.isdigit() and len(v) < 4:
+        v = int(v)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_N:
+        raise RequestError(f"{where}: n must be an integer in [1, {MAX_N}], got {str(v)[:32]!r}")
+    return v
 
 
 @dataclass
@@ -38,7 +54,12 @@ class ParsedRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
+    return_num_cached_tokens: bool = False
     return_abort_token: bool = False
+    given_flags: set = field(default_factory=set)   # the flags the request sent (not defaulted)
+    n: int = 1                      # choices (vLLM's n): one engine request each, one Triton stream
+    logprobs_output: bool = False   # the logprobs output was asked for (return_logprobs, or logprobs: N)
 
 
 @dataclass(frozen=True)
@@ -87,8 +108,10 @@ def _coerce(key: str, value, where: str):
         if typ is float:
             return float(value)
         if typ is list:
-            if key == "stop" and not value.lstrip().startswith("["):
+            if key in ("stop", "bad_words") and not value.lstrip().startswith("["):
                 return [value]
+            return loads(value, f"{where}.{key}")
+        if typ is dict:
             return loads(value, f"{where}.{key}")
     except ValueError:
         raise RequestError(f"{where}: {key}={value[:64]!r} is not a valid {typ.__name__}") from None
@@ -111,9 +134,17 @@ def _parameters(req: ParsedRequest, parameters_json: str | None) -> dict:
     if not isinstance(params, dict):
         raise RequestError("parameters: must be an object")
     rest = {}
+    n = _take_n(params, "parameters")
+    if n is not None:
+        rest["n"] = n
     for k, v in params.items():
         if k in FLAG_INPUTS:
             setattr(req, k, _flag(f"parameters.{k}", v))
+            req.given_flags.add(k)
+        elif k == "min_length":   # TensorRT-LLM's name
+            if "min_tokens" in params:
+                raise RequestError("min_length and min_tokens: one meaning, send one of them")
+            rest["min_tokens"] = v
         elif k == "stop_words":
             rest["stop"] = v if isinstance(v, list) else [v]
         elif k == "beam_width":
@@ -123,7 +154,10 @@ def _parameters(req: ParsedRequest, parameters_json: str | None) -> dict:
             raise RequestError(f"parameters.{k}: send {k} as an input tensor, not a request parameter")
         else:
             rest[k] = v
+    n = rest.pop("n", None)
     rest = check_keys(rest, "parameters")   # unknown keys and non-neutral vLLM keys: an error naming them
+    if n is not None:
+        rest["n"] = n
     return {k: (_coerce(k, v, "parameters") if k in _FIELD_TYPES else v) for k, v in rest.items()}
 
 
@@ -183,14 +217,21 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
             data = loads(raw, "sampling_parameters", max_bytes=MAX_SAMPLING_JSON_BYTES)
             if not isinstance(data, dict):
                 raise RequestError("sampling_parameters: must be a JSON object")
+            n = _take_n(data, "sampling_parameters")
             data = check_keys(data)
+            if n is not None:
+                data["n"] = n
             _merge(merged, origin, {k: _coerce(k, v, "sampling_parameters") for k, v in data.items()},
                    "sampling_parameters")
     tensors = {}
     for name in SAMPLING_INPUTS:
         arr = get(name)
         if arr is not None:
-            tensors[name] = LLM_INPUT[name].py_type(scalar(name, arr).item())
+            key = ALIASES.get(name, name)
+            value = LLM_INPUT[name].py_type(scalar(name, arr).item())
+            if key in tensors and tensors[key] != value:
+                raise RequestError(f"{name} and {key}: given as input tensors with different values; send one")
+            tensors[key] = value
     bw = get("beam_width")
     if bw is not None and int(scalar("beam_width", bw)) != 1:
         raise RequestError(f"beam_width: only 1 is supported, got {int(scalar('beam_width', bw))}")
@@ -202,11 +243,20 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
         arr = get(name)
         if arr is not None:
             setattr(req, name, bool(scalar(name, arr)))
-    if req.return_logprobs and merged.get("logprobs") is None:
+            req.given_flags.add(name)
+    req.logprobs_output = req.return_logprobs or merged.get("logprobs") is not None
+    if (req.return_logprobs or req.return_cumulative_logprob) and merged.get("logprobs") is None:
         merged["logprobs"] = 0
+    if req.stream and "exclude_input_in_output" in req.given_flags and not req.exclude_input_in_output:
+        raise RequestError("exclude_input_in_output: false is not allowed with stream true (as vllm_backend: a "
+                           "stream returns only the generated text)")
     if req.return_abort_token and not req.stream:
         raise RequestError("return_abort_token: needs stream true (the token comes in a response of its own, "
                            "before the first token)")
+    req.n = merged.pop("n", 1)
+    if req.n > 1 and not req.stream:
+        raise RequestError(f"n: {req.n} choices need stream true (each response carries its choice's "
+                           "sequence_index)")
     req.sampling = merged
 
     text = get("text_input")

@@ -74,11 +74,16 @@ LLM_INPUTS: tuple[Field, ...] = (
     _f("repetition_penalty", "TYPE_FP32", [1], "sampling", "penalty on prompt and output tokens"),
     _f("seed", "TYPE_UINT64", [1], "sampling", "seed of the request's own random generator"),
     _f("stop_words", "TYPE_STRING", [-1], "stop", "strings that end generation (not returned)"),
-    _f("exclude_input_in_output", "TYPE_BOOL", [1], "flag", "non-streaming: return only the generated text"),
+    _f("exclude_input_in_output", "TYPE_BOOL", [1], "flag",
+       "non-streaming: return only the generated text (false with stream is an error, as vllm_backend)"),
     _f("return_finish_reason", "TYPE_BOOL", [1], "flag", "add finish_reason"),
     _f("return_num_input_tokens", "TYPE_BOOL", [1], "flag", "add num_input_tokens"),
     _f("return_num_output_tokens", "TYPE_BOOL", [1], "flag", "add num_output_tokens"),
     _f("return_logprobs", "TYPE_BOOL", [1], "flag", "add cumulative_logprob and per-token logprobs"),
+    _f("return_cumulative_logprob", "TYPE_BOOL", [1], "flag", "add cumulative_logprob (vllm_backend)"),
+    _f("return_num_cached_tokens", "TYPE_BOOL", [1], "flag",
+       "add num_cached_tokens (the prompt tokens served from the prefix cache)"),
+    _f("min_length", "TYPE_INT32", [1], "sampling", "TensorRT-LLM's name for min_tokens"),
     _f("return_abort_token", "TYPE_BOOL", [1], "flag",
        "streaming: the first response (sent at admission, before any token) carries abort_token, the "
        "capability that aborts this request"),
@@ -94,11 +99,20 @@ LLM_OUTPUTS: tuple[Field, ...] = (
     _f("output_ids", "TYPE_INT32", [-1], "output", "new token ids"),
     _f("finish_reason", "TYPE_STRING", [-1], "output", "stop | length | cancelled | abort (last response)"),
     _f("num_input_tokens", "TYPE_UINT32", [1], "output", "prompt tokens"),
-    _f("num_output_tokens", "TYPE_UINT32", [-1], "output", "tokens generated so far"),
+    _f("num_cached_tokens", "TYPE_UINT32", [1], "output", "prompt tokens served from the prefix cache"),
+    _f("num_output_tokens", "TYPE_UINT32", [-1], "output",
+       "tokens in this response (vllm_backend: the count since the previous response)"),
     _f("cumulative_logprob", "TYPE_FP32", [-1], "output", "sum of the chosen tokens' logprobs"),
-    _f("logprobs", "TYPE_STRING", [-1], "output", "per token: JSON {id, logprob, top: [{id, logprob}]}"),
+    _f("logprobs", "TYPE_STRING", [-1], "output",
+       "vllm_backend's shape: one JSON list per response, per new token {token id: {logprob, rank, "
+       "decoded_token}} (the token, then its top-N alternatives)"),
     _f("abort_token", "TYPE_STRING", [-1], "output",
        "return_abort_token: the request's abort capability, in its first response only"),
+    _f("sequence_index", "TYPE_INT32", [1], "output",
+       "n > 1: the choice this response belongs to (0..n-1), as TensorRT-LLM's num_return_sequences"),
+    _f("prompt_logprobs", "TYPE_STRING", [-1], "output",
+       "sampling_parameters.prompt_logprobs: per prompt token, JSON {id, logprob, rank, top: [{id, logprob}]} "
+       "(the first token's logprob and rank null), in the first response with a token"),
 )
 
 # Inputs and outputs of the tokenizer model (qwen3_tokenizer), the first step of the ensembles.

@@ -18,6 +18,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+
+import numpy as np
 from dataclasses import dataclass, field
 
 
@@ -47,6 +49,53 @@ class EngineDead(Exception):
     """The engine thread has died: every request is refused at once (UNAVAILABLE)."""
 
 
+class _Choices:
+    """The n choices of one Triton request (vLLM's n): one engine request each, one response stream. Each
+    choice sends through its own _ChoiceSender; the Triton final flag goes out with the last choice's final
+    response, and the first error ends the stream (the other choices are aborted, their sends dropped)."""
+
+    def __init__(self, sender, n: int, final_flag: int, abort):
+        self.sender, self.final_flag, self.abort = sender, final_flag, abort
+        self.open = set(range(n))
+        self.closed = False
+        self.states: list = []
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+
+class _ChoiceSender:
+    def __init__(self, group: _Choices, index: int):
+        self.group, self.index = group, index
+
+    def is_cancelled(self) -> bool:
+        return self.group.is_cancelled()
+
+    def send(self, response=None, flags: int = 0) -> None:
+        g = self.group
+        if g.closed:
+            return
+        if response is not None and response.has_error():
+            g.closed = True
+            for s in g.states:
+                if s.index != self.index and not s.done:
+                    g.abort(s.rid)
+            g.sender.send(response, flags=g.final_flag)
+            return
+        if flags & g.final_flag:
+            g.open.discard(self.index)
+            if g.open:
+                flags &= ~g.final_flag
+                if response is None:
+                    return
+            else:
+                g.closed = True
+        if response is None:
+            g.sender.send(flags=flags)
+        else:
+            g.sender.send(response, flags=flags)
+
+
 @dataclass
 class RequestState:
     rid: str
@@ -61,7 +110,10 @@ class RequestState:
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list | None = None
     done: bool = False
+    index: int = 0                        # the choice (n > 1)
+    group: _Choices | None = None
 
 
 class TritonLLMModel:
@@ -227,25 +279,53 @@ class TritonLLMModel:
             raise Overloaded(f"server overloaded (UNAVAILABLE): {waiting} requests are waiting "
                              f"(max_waiting_requests {self.cfg.max_waiting_requests}); retry later")
         prompt_ids = req.input_ids if req.input_ids is not None else self.engine.tokenizer.encode(req.text)
-        params = self.engine.make_params(req.sampling)
-        rid = f"{self.name}-{uuid.uuid4().hex}"
-        state = RequestState(rid, request.request_id(), sender, req, prompt_ids, time.perf_counter())
+        choices = []
+        for j in range(req.n):   # choice j of a seeded request: seed + j (vLLM's n > 1 children)
+            sampling = dict(req.sampling)
+            if j and sampling.get("seed") is not None:
+                sampling["seed"] = (int(sampling["seed"]) + j) % 2**64
+            choices.append((f"{self.name}-{uuid.uuid4().hex}", self.engine.make_params(sampling)))
+        if req.n > 1:   # every choice valid before any runs (the loop validates again in submit)
+            for rid, params in choices:
+                self.engine.make_request(rid, prompt_ids, params)
+        group = None
+        if req.n > 1:
+            group = _Choices(sender, req.n, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, self.loop.abort)
+        arrival = time.perf_counter()
+        states = []
+        for j, (rid, _) in enumerate(choices):
+            state = RequestState(rid, request.request_id(), sender if group is None else _ChoiceSender(group, j),
+                                 req, prompt_ids, arrival, index=j, group=group)
+            if j:
+                state.abort_token = states[0].abort_token   # one capability aborts every choice
+            states.append(state)
+        if group is not None:
+            group.states = states
+        first = states[0]
         with self._lock:
-            self._active[rid] = state
-            self._by_token[state.abort_token] = state
+            for state in states:
+                self._active[state.rid] = state
+            self._by_token[first.abort_token] = first
         if req.return_abort_token:   # before any token: the sender can abort from its first response on
             try:
-                self._send(state, abort_token_arrays(state.abort_token), 0)
+                self._send(first, abort_token_arrays(first.abort_token), 0)
             except Exception:   # the client is gone already: nothing to generate for
-                log.info("%s: request %s: its client left before admission", self.name, rid)
-                self._close(state)
+                log.info("%s: request %s: its client left before admission", self.name, first.rid)
+                for state in states:
+                    self._close(state)
                 return
-        try:
-            self.loop.submit(rid, prompt_ids, params, lambda out, s=state: self._queue.put((s, out)))
-        except Exception:
-            self._close(state)
-            raise
-        self.metrics.record(prompt_tokens=len(prompt_ids))
+        submitted = []
+        for state, (rid, params) in zip(states, choices):
+            try:
+                self.loop.submit(rid, prompt_ids, params, lambda out, s=state: self._queue.put((s, out)))
+            except Exception:
+                for s in submitted:
+                    self.loop.abort(s.rid)
+                for s in states:
+                    self._close(s)
+                raise
+            submitted.append(state)
+            self.metrics.record(prompt_tokens=len(prompt_ids))
 
     def _abort_with_token(self, abort: AbortRequest, sender) -> None:
         """An abort request: it ends the request whose abort token it presents (with that request's id),
@@ -256,7 +336,8 @@ class TritonLLMModel:
             finished = self._finished_tokens.get(abort.token)
         if state is not None and hmac.compare_digest(state.triton_id.encode(), abort.request_id.encode()):
             log.info("%s: request %s aborted by its client", self.name, state.rid)
-            self.loop.abort(state.rid, reason="abort")
+            for s in (state.group.states if state.group is not None else [state]):
+                self.loop.abort(s.rid, reason="abort")
         elif finished is None or not hmac.compare_digest(finished.encode(), abort.request_id.encode()):
             raise RequestError("abort_request_id: no running request matches this abort_request_id and abort_token "
                                "(an abort needs the abort_token of the request's first response: "
@@ -272,12 +353,18 @@ class TritonLLMModel:
 
     def _count_final(self, state: RequestState, reason: str) -> None:
         """Counts a finished request and lets the metrics thread publish it before the final response goes
-        out (bounded: a stalled metrics call delays a final response by FINAL_METRICS_WAIT_S at most)."""
-        self.metrics.record(finished=FinishedRequest(reason, time.perf_counter() - state.arrival,
-                                                     len(state.prompt_ids), state.generated,
-                                                     state.req.sampling.get("lora_name")))
-        if not self._exiting:
-            self.publisher.flush(wait=FINAL_METRICS_WAIT_S)
+        out (bounded: a stalled metrics call delays a final response by FINAL_METRICS_WAIT_S at most). Never raises:
+        it runs after the request is closed and before its final send, which a failure here would skip, leaving
+        the client waiting for good."""
+        try:
+            self.metrics.record(finished=FinishedRequest(reason, time.perf_counter() - state.arrival,
+                                                         len(state.prompt_ids), state.generated,
+                                                         state.req.sampling.get("lora_name")))
+            if not self._exiting:
+                self.publisher.flush(wait=FINAL_METRICS_WAIT_S)
+        except Exception:
+            log.exception("%s: counting request %s failed; its final response goes out all the same", self.name,
+                          state.rid)
 
     # ----- response thread -------------------------------------------------------------------------
     def _respond_loop(self) -> None:
@@ -308,6 +395,8 @@ class TritonLLMModel:
         state.done = True
         with self._lock:
             self._active.pop(state.rid, None)
+            if state.group is not None and not all(s.done for s in state.group.states):
+                return   # the abort token stays valid while a choice runs
             if self._by_token.pop(state.abort_token, None) is not None:
                 self._finished_tokens[state.abort_token] = state.triton_id
                 if len(self._finished_tokens) > RECENT_TOKENS:
@@ -363,14 +452,19 @@ class TritonLLMModel:
             self._count_final(state, out.finish_reason or "stop")
         if req.stream:
             arrays = output_arrays(out.new_text, out.new_token_ids, finish_reason=out.finish_reason,
-                                   num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-                                   cumulative_logprob=out.cumulative_logprob, logprobs=out.new_logprobs, flags=req)
+                                   num_input_tokens=out.num_prompt_tokens, num_output_tokens=len(out.new_token_ids),
+                                   token_text=self._token_text, num_cached_tokens=out.num_cached_tokens,
+                                   cumulative_logprob=out.cumulative_logprob,
+                                   logprobs=out.new_logprobs if req.logprobs_output else None, flags=req,
+                                   prompt_logprobs=out.prompt_logprobs)
             self._send(state, arrays, final)
         else:
             state.text.append(out.new_text)
             state.ids.extend(out.new_token_ids)
             if out.new_logprobs:
                 state.logprobs.extend(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = out.prompt_logprobs
             if out.finished:
                 text = "".join(state.text)
                 if not req.exclude_input_in_output:
@@ -378,14 +472,22 @@ class TritonLLMModel:
                         state.prompt_ids, skip_special_tokens=False)
                     text = prefix + text
                 arrays = output_arrays(text, state.ids, finish_reason=out.finish_reason,
-                                       num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                                       num_input_tokens=out.num_prompt_tokens, num_output_tokens=len(state.ids),
+                                       token_text=self._token_text, num_cached_tokens=out.num_cached_tokens,
                                        cumulative_logprob=out.cumulative_logprob,
-                                       logprobs=state.logprobs if req.return_logprobs or state.logprobs else None,
-                                       flags=req)
+                                       logprobs=state.logprobs if req.logprobs_output else None,
+                                       flags=req, prompt_logprobs=state.prompt_logprobs)
                 self._send(state, arrays, final)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text for logprobs (decoded_token): its bytes as UTF-8, a partial character replaced."""
+        table = self.engine.tokenizer.token_bytes
+        return table[token_id].decode("utf-8", errors="replace") if 0 <= token_id < len(table) else ""
 
     def _send(self, state: RequestState, arrays: dict, flags: int) -> None:
         pb = self.pb
+        if state.group is not None:
+            arrays = {**arrays, "sequence_index": np.array([state.index], dtype=np.int32)}
         tensors = [pb.Tensor(name, arr) for name, arr in arrays.items()]
         state.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
 
