@@ -175,6 +175,36 @@ def profile(eng, thread_counts: list[int], context: int, steps: int, rounds: int
     return out
 
 
+def layer_loop_ab(eng, threads: int, context: int, steps: int, block: int = 4) -> dict:
+    """Per-step times of one sequence's decode with the C++ layer loop on and off, switched every `block` steps
+    (an A/B in the same seconds): min, 10th percentile and median per setting, in ms."""
+    from bench.workers.common import prompts
+
+    torch.set_num_threads(threads)
+    model = eng.runner.model
+    eng.add_request(f"ab{threads}", prompts(1, context, seed=threads)[0],
+                    eng.make_params({"temperature": 0, "max_tokens": steps + 8, "ignore_eos": True}))
+    for _ in range(4):   # prefill and warm steps
+        eng.step()
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        for i in range(steps):
+            loop = "on" if (i // block) % 2 == 0 else "off"
+            model.use_layer_loop = loop == "on"
+            t0 = time.perf_counter()
+            eng.step()
+            times[loop].append((time.perf_counter() - t0) * 1000)
+    finally:
+        model.use_layer_loop = True
+    while eng.has_unfinished():
+        eng.step()
+    out = {}
+    for loop, ts in times.items():
+        ts = sorted(ts)
+        out[loop] = {"min": ts[0], "p10": ts[len(ts) // 10], "median": ts[len(ts) // 2], "n": len(ts)}
+    return out
+
+
 def table(results: list[dict]) -> str:
     labels = list(dict.fromkeys(k for r in results for k in r["ops"]))
     head = " | ".join(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: ms (share), GB/s" for r in results)
@@ -210,6 +240,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--layer-loop", default="on", help="on / off / on,off: the untimed steps with the C++ layer loop, "
                     "the Python one, or both alternated in every round")
+    ap.add_argument("--ab-steps", type=int, default=0, help="instead of the profile: N decode steps per thread count "
+                    "with the C++ layer loop switched on and off every 4 steps; min / p10 / median step per setting")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     from backend_lib.config import EngineConfig
@@ -217,6 +249,18 @@ def main() -> None:
 
     eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="256MiB", max_model_len=1100,
                                  max_num_seqs=1, enable_prefix_caching=False))
+    if args.ab_steps:
+        res = {}
+        for t in [int(t) for t in args.threads.split(",")]:
+            res[t] = layer_loop_ab(eng, t, args.context, args.ab_steps)
+            for loop, r in res[t].items():
+                print(f"threads {t}: layer loop {loop}: step ms min {r['min']:.2f}, p10 {r['p10']:.2f}, median "
+                      f"{r['median']:.2f} ({r['n']} steps)")
+            res[t]["stream_read_gb_per_s"] = stream_read_gbs(t)
+            print(f"threads {t}: STREAM read {res[t]['stream_read_gb_per_s']:.1f} GB/s")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        return
     loops = tuple(args.layer_loop.split(","))
     if not set(loops) <= {"on", "off"}:
         ap.error("--layer-loop: on, off or on,off")
