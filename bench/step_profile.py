@@ -250,14 +250,16 @@ def main() -> None:
     eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="256MiB", max_model_len=1100,
                                  max_num_seqs=1, enable_prefix_caching=False))
     if args.ab_steps:
-        res = {}
+        res = []
         for t in [int(t) for t in args.threads.split(",")]:
-            res[t] = layer_loop_ab(eng, t, args.context, args.ab_steps)
-            for loop, r in res[t].items():
-                print(f"threads {t}: layer loop {loop}: step ms min {r['min']:.2f}, p10 {r['p10']:.2f}, median "
-                      f"{r['median']:.2f} ({r['n']} steps)")
-            res[t]["stream_read_gb_per_s"] = stream_read_gbs(t)
-            print(f"threads {t}: STREAM read {res[t]['stream_read_gb_per_s']:.1f} GB/s")
+            r = {"threads": t, **layer_loop_ab(eng, t, args.context, args.ab_steps)}
+            for loop in ("on", "off"):
+                f = r[loop]
+                print(f"threads {t}: layer loop {loop}: step ms min {f['min']:.2f}, p10 {f['p10']:.2f}, median "
+                      f"{f['median']:.2f} ({f['n']} steps)")
+            r["stream_read_gb_per_s"] = stream_read_gbs(t)
+            print(f"threads {t}: STREAM read {r['stream_read_gb_per_s']:.1f} GB/s")
+            res.append(r)
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
         return
