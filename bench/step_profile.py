@@ -1,6 +1,6 @@
 """Where a batch-1 decode step goes, per operation, at 1 and 2 threads (in-process, the compiled kernels).
 
-    python -m bench.step_profile [--checkpoint DIR] [--threads 1,2] [--steps 64] [--context 128]
+    python -m bench.step_profile [--checkpoint DIR] [--threads 1,2] [--steps 64] [--context 128] [--layer-loop on,off]
 
 One sequence with a `--context`-token prompt decodes `--steps` tokens twice per thread count: once as the
 engine runs (the step time), once with every kernel call timed (each call is wrapped in a Python timer;
@@ -10,7 +10,9 @@ slow the others). Per operation: ms per
 step, share of the step, and for the weight-streaming ones the GB/s they read. "Python and the rest" is
 the step time minus every timed call: dispatch between the kernels (module calls, tensor views), the
 scheduler, the input tensors, the output processor and detokenizer. A STREAM-style read (sum of 1 GiB)
-at the same thread count gives the bandwidth floor of the step's bytes.
+at the same thread count gives the bandwidth floor of the step's bytes. The timed steps run the Python layer loop
+(the C++ one, models/qwen3_layer_loop.py, makes one call of the layers); the untimed step time is measured with each
+`--layer-loop` setting in turn within every round (an A/B alternated in the same minutes).
 """
 from __future__ import annotations
 
@@ -118,13 +120,21 @@ def decode_steps(eng, context: int, steps: int, seed: int, timer: "OpTimer | Non
     return times
 
 
-def profile_round(eng, threads: int, context: int, steps: int, seed: int) -> dict:
+def profile_round(eng, threads: int, context: int, steps: int, seed: int, loops: tuple[str, ...] = ("on",)) -> dict:
     torch.set_num_threads(threads)
+    model = eng.runner.model
     decode_steps(eng, context, 4, seed=seed + 99)   # warm (and the team at this width)
-    plain = decode_steps(eng, context, steps, seed=seed)
+    by_loop = {}
+    for loop in loops:
+        model.use_layer_loop = loop == "on"
+        by_loop[loop] = sum(decode_steps(eng, context, steps, seed=seed)) / steps * 1000
+    model.use_layer_loop = False   # the kernel calls are timed on the Python loop
     timer = OpTimer(eng.runner)
-    timed = decode_steps(eng, context, steps, seed=seed + 1, timer=timer)
-    step_ms = sum(plain) / steps * 1000
+    try:
+        timed = decode_steps(eng, context, steps, seed=seed + 1, timer=timer)
+    finally:
+        model.use_layer_loop = True
+    step_ms = by_loop["on"] if "on" in by_loop else by_loop["off"]
     timed_ms = sum(timed) / steps * 1000
     ops = {}
     for label in sorted(timer.ns, key=lambda k: -timer.ns[k]):
@@ -133,29 +143,65 @@ def profile_round(eng, threads: int, context: int, steps: int, seed: int) -> dic
                       "gb_per_s": (timer.bytes[label] / (timer.ns[label] / 1e9) / 1e9) if timer.bytes[label] else None,
                       "mb_per_step": timer.bytes[label] / steps / 1e6}
     rest = timed_ms - sum(o["ms_per_step"] for o in ops.values())
-    return {"threads": threads, "step_ms": step_ms, "tokens_per_s": 1000 / step_ms,
+    return {"threads": threads, "step_ms": step_ms, "tokens_per_s": 1000 / step_ms, "step_ms_by_layer_loop": by_loop,
             "timed_step_ms_mean": timed_ms, "wrapper_overhead_ms": timed_ms - step_ms,
             "ops": ops, "python_and_rest_ms": rest,
             "mb_per_token": sum(o["mb_per_step"] for o in ops.values())}
 
 
-def profile(eng, thread_counts: list[int], context: int, steps: int, rounds: int) -> list[dict]:
+def profile(eng, thread_counts: list[int], context: int, steps: int, rounds: int,
+            loops: tuple[str, ...] = ("on",)) -> list[dict]:
     """`rounds` rounds, the thread counts alternated within each; per thread count the round whose timed step
     was fastest (on a shared host the others are the neighbours' doing), with every round's step times kept."""
     best: dict[int, dict] = {}
     seen: dict[int, list[tuple[float, float]]] = {t: [] for t in thread_counts}
+    by_loop: dict[int, dict[str, list[float]]] = {t: {lp: [] for lp in loops} for t in thread_counts}
     for r in range(rounds):
         for t in thread_counts:
-            res = profile_round(eng, t, context, steps, seed=10 * r + 1)
+            order = loops if r % 2 == 0 else loops[::-1]   # neither setting always runs first
+            res = profile_round(eng, t, context, steps, seed=10 * r + 1, loops=order)
             seen[t].append((res["step_ms"], res["timed_step_ms_mean"]))
+            for lp, ms in res["step_ms_by_layer_loop"].items():
+                by_loop[t][lp].append(ms)
             if t not in best or res["timed_step_ms_mean"] < best[t]["timed_step_ms_mean"]:
                 best[t] = res
     out = []
     for t in thread_counts:
         best[t]["rounds_step_ms"] = [p for p, _ in seen[t]]
         best[t]["step_ms_best"] = min(p for p, _ in seen[t])
+        best[t]["layer_loop_rounds_step_ms"] = by_loop[t]
         best[t]["stream_read_gb_per_s"] = stream_read_gbs(t)
         out.append(best[t])
+    return out
+
+
+def layer_loop_ab(eng, threads: int, context: int, steps: int, block: int = 4) -> dict:
+    """Per-step times of one sequence's decode with the C++ layer loop on and off, switched every `block` steps
+    (an A/B in the same seconds): min, 10th percentile and median per setting, in ms."""
+    from bench.workers.common import prompts
+
+    torch.set_num_threads(threads)
+    model = eng.runner.model
+    eng.add_request(f"ab{threads}", prompts(1, context, seed=threads)[0],
+                    eng.make_params({"temperature": 0, "max_tokens": steps + 8, "ignore_eos": True}))
+    for _ in range(4):   # prefill and warm steps
+        eng.step()
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        for i in range(steps):
+            loop = "on" if (i // block) % 2 == 0 else "off"
+            model.use_layer_loop = loop == "on"
+            t0 = time.perf_counter()
+            eng.step()
+            times[loop].append((time.perf_counter() - t0) * 1000)
+    finally:
+        model.use_layer_loop = True
+    while eng.has_unfinished():
+        eng.step()
+    out = {}
+    for loop, ts in times.items():
+        ts = sorted(ts)
+        out[loop] = {"min": ts[0], "p10": ts[len(ts) // 10], "median": ts[len(ts) // 2], "n": len(ts)}
     return out
 
 
@@ -192,6 +238,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--layer-loop", default="on", help="on / off / on,off: the untimed steps with the C++ layer loop, "
+                    "the Python one, or both alternated in every round")
+    ap.add_argument("--ab-steps", type=int, default=0, help="instead of the profile: N decode steps per thread count "
+                    "with the C++ layer loop switched on and off every 4 steps; min / p10 / median step per setting")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     from backend_lib.config import EngineConfig
@@ -199,11 +249,32 @@ def main() -> None:
 
     eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="256MiB", max_model_len=1100,
                                  max_num_seqs=1, enable_prefix_caching=False))
-    results = profile(eng, [int(t) for t in args.threads.split(",")], args.context, args.steps, args.rounds)
+    if args.ab_steps:
+        res = []
+        for t in [int(t) for t in args.threads.split(",")]:
+            r = {"threads": t, **layer_loop_ab(eng, t, args.context, args.ab_steps)}
+            for loop in ("on", "off"):
+                f = r[loop]
+                print(f"threads {t}: layer loop {loop}: step ms min {f['min']:.2f}, p10 {f['p10']:.2f}, median "
+                      f"{f['median']:.2f} ({f['n']} steps)")
+            r["stream_read_gb_per_s"] = stream_read_gbs(t)
+            print(f"threads {t}: STREAM read {r['stream_read_gb_per_s']:.1f} GB/s")
+            res.append(r)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        return
+    loops = tuple(args.layer_loop.split(","))
+    if not set(loops) <= {"on", "off"}:
+        ap.error("--layer-loop: on, off or on,off")
+    results = profile(eng, [int(t) for t in args.threads.split(",")], args.context, args.steps, args.rounds, loops)
     print(table(results))
     for r in results:
         print(f"threads {r['threads']}: wrapper overhead {r['wrapper_overhead_ms']:.2f} ms per step; step ms of "
               f"every round (untimed): " + ", ".join(f"{v:.1f}" for v in r["rounds_step_ms"]))
+        for lp, ms in r["layer_loop_rounds_step_ms"].items():
+            print(f"threads {r['threads']}: layer loop {lp}: step ms per round " + ", ".join(f"{v:.2f}" for v in ms)
+                  + f"; best {min(ms):.2f} ms ({1000 / min(ms):.1f} tokens/s, "
+                  f"{1000 / min(ms) / (r['stream_read_gb_per_s'] * 1e3 / r['mb_per_token']):.2f}x the floor)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -16,6 +16,7 @@ from ..kernels import Kernels
 from ..layers.attention import Qwen3Attention
 from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear, load_linear, quantize_linear
 from ..layers.mlp import Qwen3MLP
+from .qwen3_layer_loop import LayerLoop
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,10 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = lm_head
         self.register_buffer("cos_sin", cfg.rope.cos_sin(cfg.head_dim, max_positions, norm.device),
                              persistent=False)
+        # the layers as one C++ call where it computes exactly what the loop below does (models/qwen3_layer_loop.py);
+        # False: always the Python loop (the reference of behaviour)
+        self.use_layer_loop = True
+        self.layer_loop = LayerLoop(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -64,6 +69,8 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the step's tokens."""
         x = self.embed(input_ids)
+        if self.use_layer_loop and self.layer_loop.applies(kv_cache):
+            return self.layer_loop(x, positions, kv_cache, meta)
         residual = None
         # .forward, not __call__: the decoder's ~200 module calls a step each cost ~4.5 us in nn.Module's hook
         # machinery (~0.9 ms of a ~21 ms batch-1 step, bench.step_profile's "Python"); no hooks are used here

@@ -31,6 +31,10 @@ at::Tensor a8w8_pack(const at::Tensor& w_q);
 at::Tensor a8w8_colsum(const at::Tensor& w_q);
 at::Tensor a8w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
                        const at::Tensor& colsum);
+at::Tensor decode_layers(const at::Tensor& x, at::TensorList layers, at::TensorList k_caches, at::TensorList v_caches,
+                         const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale);
 }  // namespace qk
 
 TORCH_LIBRARY(qwen3_cpu, m) {
@@ -57,4 +61,8 @@ TORCH_LIBRARY(qwen3_cpu, m) {
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor rotation, Tensor centroids, "
         "float scale) -> Tensor",
         &qk::tq_paged_attention);
+  m.def("decode_layers(Tensor x, Tensor[] layers, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor positions, "
+        "Tensor cos_sin, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor final_norm, int H, int KVH, float eps, float scale) -> Tensor",
+        &qk::decode_layers);
 }

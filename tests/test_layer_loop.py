@@ -1,0 +1,103 @@
+"""The C++ layer loop (models/qwen3_layer_loop.py, csrc/decode_layers.cpp) against the Python layer loop it replaces:
+the same hidden states, logits and KV-cache contents bit for bit at every step of a generation, whatever the batch,
+and the same greedy ids; the Python loop wherever the C++ one does not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import make_engine
+
+pytestmark = pytest.mark.skipif(not __import__("backend_lib.kernels.cpu", fromlist=["load"]).load(),
+                                reason="the compiled CPU kernels could not be built")
+
+
+def _prompts(eng, n):
+    """n prompts of mixed lengths (1 to ~50 tokens: within one page, across pages)."""
+    words = "the quick brown fox jumps over the lazy dog 敏捷的棕色狐狸跳过了懒狗 and then some more".split()
+    return [eng.tokenizer.encode(" ".join(words[: 1 + (7 * i) % len(words)]) * (1 + i % 3))[: 1 + (13 * i) % 50]
+            for i in range(n)]
+
+
+def _greedy(eng, n=12):
+    return eng.make_params({"temperature": 0, "max_tokens": n, "ignore_eos": True})
+
+
+class Twin:
+    """Runs every forward twice, the Python loop on a copy of the KV cache and then the C++ loop on the cache
+    itself, and checks the hidden states, logits and caches are the same bits."""
+
+    def __init__(self, eng):
+        self.model, self.kv = eng.runner.model, eng.runner.kv_cache
+        self.forward = self.model.forward
+        self.steps, self.decode_steps, self.batches = 0, 0, set()
+        self.model.forward = self
+
+    def __call__(self, input_ids, positions, kv_cache, meta):
+        m = self.model
+        assert m.layer_loop.applies(kv_cache)
+        saved_k, saved_v = [t.clone() for t in kv_cache.k], [t.clone() for t in kv_cache.v]
+        m.use_layer_loop = False
+        try:
+            ref = self.forward(input_ids, positions, kv_cache, meta)
+        finally:
+            m.use_layer_loop = True
+        ref_k, ref_v = [t.clone() for t in kv_cache.k], [t.clone() for t in kv_cache.v]
+        for t, s in zip(kv_cache.k + kv_cache.v, saved_k + saved_v):
+            t.copy_(s)
+        out = self.forward(input_ids, positions, kv_cache, meta)
+        assert out.dtype == ref.dtype and torch.equal(out, ref)
+        assert torch.equal(m.logits(out), m.logits(ref))
+        assert all(torch.equal(a, b) for a, b in zip(kv_cache.k + kv_cache.v, ref_k + ref_v))
+        b = meta.query_start_loc.numel() - 1
+        self.steps += 1
+        if input_ids.numel() == b:
+            self.decode_steps += 1
+            self.batches.add(b)
+        return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("batch", [1, 2, 5, 16])
+def test_every_step_is_bit_identical_to_the_python_loop(a8w8_ckpt, dtype, batch):
+    eng = make_engine(a8w8_ckpt, dtype=dtype, max_num_seqs=16, kv_cache_memory="4MiB", max_model_len=256)
+    twin = Twin(eng)
+    eng.generate(_prompts(eng, batch), _greedy(eng))
+    assert twin.decode_steps >= 11 and batch in twin.batches
+
+
+def test_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(a8w8_ckpt):
+    eng = make_engine(a8w8_ckpt, dtype="bfloat16", max_num_seqs=16, kv_cache_memory="8MiB", max_model_len=256)
+    prompts = _prompts(eng, 16)
+    calls = []
+    model = eng.runner.model
+    loop = model.layer_loop
+
+    class Counting:
+        applies = staticmethod(loop.applies)
+
+        def __call__(self, *a):
+            calls.append(1)
+            return loop(*a)
+
+    model.layer_loop = Counting()
+    fast = [r["output_ids"] for r in eng.generate(prompts, _greedy(eng, 24))]
+    assert len(calls) >= 24
+    solo = [eng.generate([p], _greedy(eng, 24))[0]["output_ids"] for p in prompts[:3]]
+    model.use_layer_loop = False
+    calls.clear()
+    slow = [r["output_ids"] for r in eng.generate(prompts, _greedy(eng, 24))]
+    assert not calls
+    assert fast == slow
+    assert solo == fast[:3]
+
+
+def test_python_loop_where_the_layer_loop_does_not_apply(a8w8_ckpt, bf16_ckpt):
+    tq = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache="tq", kv_cache_memory="4MiB", max_model_len=256)
+    assert not tq.runner.model.layer_loop.applies(tq.runner.kv_cache)
+    float_weights = make_engine(bf16_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
+    assert not float_weights.runner.model.layer_loop.applies(float_weights.runner.kv_cache)
+    a8w8 = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
+    assert a8w8.runner.model.layer_loop.applies(a8w8.runner.kv_cache)
+    ref = make_engine(a8w8_ckpt, dtype="bfloat16", kernels="reference", kv_cache_memory="4MiB", max_model_len=256)
+    assert not ref.runner.model.layer_loop.applies(ref.runner.kv_cache)
