@@ -99,7 +99,7 @@ def test_the_page_and_its_files_come_from_the_front_with_a_strict_policy(front, 
 
 def test_a_message_streams_in_and_equals_the_whole_reply(front, browser):
     open_page(browser, front.url)
-    settings(browser, thinking=False, temperature=0, max_tokens=40, seed=1)
+    settings(browser, thinking=False, temperature=0, max_tokens=160, seed=1)
     # the reply's text length at every change of the page, to see it arrive in pieces
     browser.eval("window.__lengths = []; new MutationObserver(() => { const r = window.playground.replies.at(-1); "
                  "if (r) window.__lengths.push(r.content.length); }).observe(document.getElementById('messages'), "
@@ -107,12 +107,14 @@ def test_a_message_streams_in_and_equals_the_whole_reply(front, browser):
     i = send(browser, "Tell me about the Forbidden City.")
     got = wait_done(browser, i)
     whole = api(front).chat.completions.create(
-        model="qwen3_a8w8", messages=[{"role": "user", "content": "Tell me about the Forbidden City."}], max_tokens=40,
+        model="qwen3_a8w8", messages=[{"role": "user", "content": "Tell me about the Forbidden City."}], max_tokens=160,
         temperature=0, top_p=0.8, seed=1, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert got["state"] == "done" and got["content"] == whole.choices[0].message.content
     assert got["usage"]["completion_tokens"] == whole.usage.completion_tokens
     lengths = sorted(set(browser.eval("window.__lengths")) - {0})
-    assert len(lengths) >= 3, lengths   # it arrived in several pieces, not at once
+    # it arrived in pieces, not at once: the page showed part of the reply before the whole (the page draws once
+    # per animation frame, so a fast host shows few intermediate states)
+    assert len(lengths) >= 2 and lengths[0] < lengths[-1], lengths
     assert got["role"] == "qwen3_a8w8"
     assert "TTFT" in got["stats"] and "prompt tokens" in got["stats"] and "tokens/s" in got["stats"]
 
