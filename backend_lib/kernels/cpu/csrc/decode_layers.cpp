@@ -7,27 +7,11 @@
 // the kernel set's lambdas, tensor views and argument parsing: ~1 ms of a ~20 ms batch-1 step), and
 // since the kernels now follow each other without a gap, the OpenMP team is still spinning when the
 // next parallel region starts.
-#include "common.h"
+#include "ops.h"
 
 #include <vector>
 
 namespace qk {
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
-                                                 double eps);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& qkv, const at::Tensor& q_w,
-                                                            const at::Tensor& k_w, const at::Tensor& positions,
-                                                            const at::Tensor& cos_sin, int64_t H, int64_t KVH,
-                                                            double eps);
-at::Tensor silu_mul(const at::Tensor& x);
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale);
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-              const at::Tensor& slot_mapping);
-at::Tensor a8w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
-                       const at::Tensor& colsum);
 
 // Tensors of one layer in `layers`, kPerLayer each, in this order.
 enum LayerTensor : int64_t {

@@ -1,0 +1,40 @@
+// Declarations of the CPU kernels (defined in the other .cpp files): the one list that ops.cpp registers
+// and decode_layers.cpp calls.
+#pragma once
+
+#include "common.h"
+
+namespace qk {
+at::Tensor float_pack(const at::Tensor& w);
+at::Tensor float_packed_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t K);
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                        c10::optional<at::ScalarType> out_dtype);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
+                                                 double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& qkv, const at::Tensor& q_w,
+                                                            const at::Tensor& k_w, const at::Tensor& positions,
+                                                            const at::Tensor& cos_sin, int64_t H, int64_t KVH,
+                                                            double eps);
+at::Tensor silu_mul(const at::Tensor& x);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale);
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping);
+void tq_write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_codes, at::Tensor& k_scales,
+              at::Tensor& v_codes, at::Tensor& v_scales, const at::Tensor& slot_mapping, const at::Tensor& R,
+              const at::Tensor& cents, const at::Tensor& bounds);
+at::Tensor tq_paged_attention(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scales,
+                              const at::Tensor& v_codes, const at::Tensor& v_scales, const at::Tensor& block_tables,
+                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& R,
+                              const at::Tensor& cents, double scale);
+at::Tensor a8w8_pack(const at::Tensor& w_q);
+at::Tensor a8w8_colsum(const at::Tensor& w_q);
+at::Tensor a8w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                       const at::Tensor& colsum);
+at::Tensor decode_layers(const at::Tensor& x, at::TensorList layers, at::TensorList k_caches, at::TensorList v_caches,
+                         const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale);
+}  // namespace qk
