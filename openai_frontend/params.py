@@ -319,10 +319,18 @@ CHAT_NEUTRAL = {"add_generation_prompt": (True,), "continue_final_message": (Fal
                 "modalities": (["text"],)}
 
 
-def _known_fields(body: dict, known: set[str]) -> None:
+def known_fields(body, known: set[str]) -> None:
+    """A request body is an object whose every field is in `known`: else a 400 naming the first other one (the
+    rule of every endpoint of the front)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
     unknown = sorted(k for k in body if k not in known)
     if unknown:
         raise bad_request(f"{unknown[0]}: unknown or unsupported field", unknown[0])
+
+
+def _known_fields(body: dict, known: set[str]) -> None:
+    known_fields(body, known)
     for name in _METADATA:
         v = body.get(name)
         if v is not None and not isinstance(v, (str, dict)):
@@ -330,8 +338,6 @@ def _known_fields(body: dict, known: set[str]) -> None:
 
 
 def _common(body, max_tokens_names: tuple[str, ...], known: set[str]) -> Generation:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
     _known_fields(body, known)
     gen = Generation(model=_model(body))
     _streaming(gen, body)

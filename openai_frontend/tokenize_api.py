@@ -13,21 +13,13 @@ from fastapi import APIRouter, Request
 from backend_lib.sampling.params import INT32_MAX
 from .errors import bad_request, unavailable
 from .gateway import TritonGateway
-from .params import _boolean, _enable_thinking, _messages, _model, _token_id
+from .params import _boolean, _enable_thinking, _messages, _model, _token_id, known_fields
 from .tools import parse_tools
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                    "chat_template_kwargs", "tools", "return_token_strs", "continue_final_message"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 MAX_TOKENS = 1 << 20
-
-
-def _known(body, fields: set[str]) -> None:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise bad_request(f"{unknown[0]}: unknown or unsupported field", unknown[0])
 
 
 class ModelTokenizers:
@@ -66,7 +58,7 @@ def tokenize_routes(gateway: TritonGateway, tokenizers: ModelTokenizers, json_bo
     @router.post("/tokenize")
     async def tokenize(request: Request):
         body = await json_body(request)
-        _known(body, TOKENIZE_FIELDS)
+        known_fields(body, TOKENIZE_FIELDS)
         model = _model(body)
         if (body.get("prompt") is None) == (body.get("messages") is None):
             raise bad_request("prompt or messages: send one of them", "prompt")
@@ -100,7 +92,7 @@ def tokenize_routes(gateway: TritonGateway, tokenizers: ModelTokenizers, json_bo
     @router.post("/detokenize")
     async def detokenize(request: Request):
         body = await json_body(request)
-        _known(body, DETOKENIZE_FIELDS)
+        known_fields(body, DETOKENIZE_FIELDS)
         model = _model(body)
         ids = body.get("tokens")
         if not isinstance(ids, list) or len(ids) > MAX_TOKENS or not all(_token_id(i) for i in ids):
