@@ -242,7 +242,11 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
     for name in FLAG_INPUTS:
         arr = get(name)
         if arr is not None:
-            setattr(req, name, bool(scalar(name, arr)))
+            value = bool(scalar(name, arr))
+            if name in req.given_flags and getattr(req, name) != value:
+                raise RequestError(f"{name}: given in the request parameters ({getattr(req, name)}) and as an "
+                                   f"input tensor ({value}) with different values; send it once")
+            setattr(req, name, value)
             req.given_flags.add(name)
     req.logprobs_output = req.return_logprobs or merged.get("logprobs") is not None
     if (req.return_logprobs or req.return_cumulative_logprob) and merged.get("logprobs") is None:
