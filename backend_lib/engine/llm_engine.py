@@ -188,6 +188,9 @@ class LLMEngine:
                 # Nothing fits even into an empty pool: cannot happen with a validated pool, but never spin.
                 return self.abort_all("error", "KV cache too small for the waiting request")
             return []
+        for src, dst in self.scheduler.take_page_copies():   # partial prompt pages taken by copy (scheduler)
+            self.runner.kv_cache.copy_page(src, dst)
+            self.block_manager.unpin(src)
         try:
             results = self.runner.execute(plan)
         except Exception as exc:  # a fault in the forward: fail this step's requests, keep serving

@@ -5,7 +5,9 @@ admits waiting requests, all within a token budget, so a long prompt never stall
 others. With prefix caching, an admitted request first takes the cached pages that hold the longest
 run of its full pages (at least its last token is computed, for its logits), and every page that
 becomes full is recorded in the cache; a request whose next full page a running prefill is computing
-waits for it (one prefill for n choices or concurrent requests of one prompt). When the page pool runs
+waits for it (one prefill for n choices or concurrent requests of one prompt). A prompt's partial last
+page is recorded too: a request with that whole prompt gets a copy of it (`page_copies`, done by the
+engine before the step's forward) and computes its last token only, so n choices cost one prefill. When the page pool runs
 dry the newest running sequence (with scheduling_policy priority: the lowest-priority one) is preempted
 (its pages freed, recomputed later from its prompt and the tokens it already produced); nothing is ever
 dropped.
@@ -31,6 +33,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0    # tokens of admitted requests looked up in the prefix cache
         self.prefix_hits = 0       # of those, tokens found cached
+        self.page_copies: list[tuple[int, int]] = []   # (cached partial page, new page) to copy before this step
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -61,11 +64,20 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._drop_copies(seq)
         self.bm.free(seq.block_table)
         seq.status = SequenceStatus.FINISHED
 
+    def _drop_copies(self, seq: Sequence) -> None:
+        """Cancels the pending copies into seq's pages (seq leaves before the step that would copy)."""
+        mine = set(seq.block_table)
+        for src, dst in [c for c in self.page_copies if c[1] in mine]:
+            self.page_copies.remove((src, dst))
+            self.bm.unpin(src)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._drop_copies(seq)
         self.bm.free(seq.block_table)
         seq.reset_for_recompute()
         self._enqueue(seq, front=True)
@@ -100,8 +112,12 @@ class Scheduler:
                 break
             cached = self._cached_prefix(seq)
             start = len(cached) * self.bm.page_size
+            tail = self._cached_tail(seq, cached)
+            if tail is not None:    # the partial last page too, by copy: only the last token to compute
+                start = seq.num_tokens - 1
             n = min(seq.num_tokens - start, budget)
-            need = lambda: self.bm.extra_pages(cached, start + n) + self.bm.cost_of(cached)  # noqa: E731
+            need = lambda: self.bm.extra_pages(cached, start + n) + self.bm.cost_of(  # noqa: E731
+                cached + ([tail] if tail is not None else []))
             while self.priority and need() > self.bm.num_free and self.running and \
                     self._rank(self._victim()) > self._rank(seq):   # a lower-priority request gives way
                 victim = self._victim()
@@ -122,10 +138,29 @@ class Scheduler:
                 seq.block_table, seq.num_computed, seq.num_registered = cached, start, len(cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if tail is not None:
+                self.bm.pin(tail)   # kept from eviction until the engine has copied it
+            held = len(seq.block_table)   # (seq.block_table is `cached` itself when caching)
             self.bm.grow(seq.block_table, seq.num_computed + n)
+            if tail is not None:
+                self.page_copies.append((tail, seq.block_table[held]))
             plan[seq] = n
             budget -= n
         return list(plan.items())
+
+    def _cached_tail(self, seq: Sequence, cached: list[int]) -> int | None:
+        """The cached page holding seq's partial last page (its tokens after the `cached` full pages but
+        the last one), when every full page before it is cached and there is more than one token left."""
+        ps = self.bm.page_size
+        if not self.bm.caching or seq.num_computed or seq.params.prompt_logprobs is not None or \
+                len(cached) != (seq.num_tokens - 1) // ps or seq.num_tokens - len(cached) * ps < 2:
+            return None
+        return self.bm.match_tail(seq.tail_page_hash(ps))
+
+    def take_page_copies(self) -> list[tuple[int, int]]:
+        """The copies this step's admissions need (source, destination); the engine copies, then unpins."""
+        copies, self.page_copies = self.page_copies, []
+        return copies
 
     def _follows_a_prefill(self, seq: Sequence) -> bool:
         """Whether seq's next uncached full page is one that a running prefill is computing now (the same
@@ -136,8 +171,13 @@ class Scheduler:
         ps = self.bm.page_size
         full = (seq.num_tokens - 1) // ps
         have = len(self._cached_prefix(seq))
-        if have >= full:
-            return False
+        if have >= full:   # every full page cached: wait only for a running prefill of the same whole prompt
+            if seq.num_tokens - have * ps < 2 or self.bm.match_tail(seq.tail_page_hash(ps)) is not None:
+                return False
+            want = seq.tail_page_hash(ps)
+            return any(r.num_pending > 1 and not r.tail_registered and r.cache_root == seq.cache_root
+                       and len(r.prompt_ids) == seq.num_tokens and r.tail_page_hash(ps, len(r.prompt_ids)) == want
+                       for r in self.running)
         want = seq.full_page_hashes(full, ps)[have]
         for r in self.running:
             if r.num_pending > 1 and r.num_registered <= have and r.cache_root == seq.cache_root \
@@ -157,9 +197,14 @@ class Scheduler:
         """After a step: records seq's pages that are now full (all their K/V computed) in the prefix cache."""
         if not self.bm.caching:
             return
-        full = seq.num_computed // self.bm.page_size
+        ps = self.bm.page_size
+        full = seq.num_computed // ps
         if full > seq.num_registered:
             for i, h in enumerate(seq.full_page_hashes(full, self.bm.page_size)[seq.num_registered:],
                                   seq.num_registered):
                 self.bm.register(seq.block_table[i], h)
             seq.num_registered = full
+        prompt = len(seq.prompt_ids)
+        if not seq.tail_registered and seq.num_computed >= prompt and prompt - (prompt - 1) // ps * ps >= 2:
+            seq.tail_registered = True   # the prompt's partial last page, for later requests of the same prompt
+            self.bm.register_tail(seq.block_table[(prompt - 1) // ps], seq.tail_page_hash(ps, prompt))

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ..kv_cache.prefix import extend_hashes
+from ..kv_cache.prefix import extend_hashes, tail_hash
 from ..sampling.params import SamplingParams
 
 
@@ -47,6 +47,7 @@ class Sequence:
         self.cache_root: bytes | None = None   # prefix caching on: the root of this request's page hashes
         self.page_hashes: list[bytes] = []     # hashes of the first full pages of `tokens` (a chain)
         self.num_registered = 0                # pages of block_table recorded in the prefix cache
+        self.tail_registered = False           # its prompt's partial last page recorded (for copies)
         self.lora = None                       # its LoRA adapter (backend_lib.lora), None for the base model
 
     @property
@@ -66,6 +67,14 @@ class Sequence:
         """Hashes of the first `num_pages` full pages (computed once; full pages never change)."""
         extend_hashes(self.page_hashes, self.cache_root, self.tokens, page_size, num_pages)
         return self.page_hashes[:num_pages]
+
+    def tail_page_hash(self, page_size: int, num_tokens: int | None = None) -> bytes:
+        """The hash of the partial last page of the first `num_tokens` tokens (default: all): the tokens
+        after the last full page that leaves at least one token to compute, 1 to page_size of them."""
+        n = self.num_tokens if num_tokens is None else num_tokens
+        full = (n - 1) // page_size
+        chain = self.full_page_hashes(full, page_size)
+        return tail_hash(chain[-1] if chain else self.cache_root, self.tokens[full * page_size:n])
 
     def reset_for_recompute(self) -> None:
         """After preemption: the pages are released (cached ones may be found again), prompt + output so

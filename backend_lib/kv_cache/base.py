@@ -29,6 +29,9 @@ class KVCache(Protocol):
 
     def write(self, layer: int, k: "torch.Tensor", v: "torch.Tensor", meta: "AttentionMetadata") -> None: ...
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copies page src into page dst in every layer (a cached partial prompt page, taken by copy)."""
+
     def attend(self, layer: int, q: "torch.Tensor", meta: "AttentionMetadata", scale: float) -> "torch.Tensor": ...
 
 

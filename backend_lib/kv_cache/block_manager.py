@@ -7,6 +7,12 @@ its hash: it stays cached, evictable least-recently-used, and a later request wh
 the same pages takes it instead of computing it again. Only full pages are shared, so no request ever
 writes into a page another one reads. Pages available for allocation are the free ones plus the
 evictable cached ones.
+
+The partial last page of a prompt is recorded too, under a tail hash (its tokens after the chain of full
+pages before it), but it is never shared: a later request with the same whole prompt (n > 1 choices,
+concurrent identical requests) gets a copy of it in a page of its own (`pin` keeps the source from being
+evicted until the engine has copied it) and then computes only its last token. The owner only ever writes
+positions past those tokens, so the recorded ones stay what the hash says.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ class BlockManager:
         self._hash_of: dict[int, bytes] = {}                # cached page -> its hash
         self._page_of: dict[bytes, int] = {}                # hash -> cached page
         self._evictable: OrderedDict[int, None] = OrderedDict()   # cached pages nobody holds, LRU first
+        self._tail_of: dict[int, bytes] = {}                # page holding a prompt's partial last page -> hash
+        self._tail_page_of: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -37,7 +45,7 @@ class BlockManager:
 
     @property
     def num_cached(self) -> int:
-        return len(self._hash_of)
+        return len(self._hash_of.keys() | self._tail_of.keys())
 
     def pages_for(self, num_tokens: int) -> int:
         return (num_tokens + self.page_size - 1) // self.page_size
@@ -89,20 +97,39 @@ class BlockManager:
             self._hash_of[page] = page_hash
             self._page_of[page_hash] = page
 
+    def register_tail(self, page: int, tail_hash: bytes) -> None:
+        """Records the page that holds a prompt's partial last page (copied by later requests, never shared)."""
+        if self.caching and tail_hash not in self._tail_page_of and page not in self._tail_of:
+            self._tail_of[page] = tail_hash
+            self._tail_page_of[tail_hash] = page
+
+    def match_tail(self, tail_hash: bytes) -> int | None:
+        return self._tail_page_of.get(tail_hash)
+
+    def pin(self, page: int) -> None:
+        """A reference that keeps a cached page from eviction (until unpin) while it is copied."""
+        self.acquire([page])
+
+    def unpin(self, page: int) -> None:
+        self._release(page)
+
     # ----- internals --------------------------------------------------------------------------------
     def _take(self) -> int:
         if self._free:
             page = self._free.pop()
         else:   # evict the least recently used cached page
             page, _ = self._evictable.popitem(last=False)
-            del self._page_of[self._hash_of.pop(page)]
+            if page in self._hash_of:
+                del self._page_of[self._hash_of.pop(page)]
+            if page in self._tail_of:
+                del self._tail_page_of[self._tail_of.pop(page)]
         self._ref[page] = 1
         return page
 
     def _release(self, page: int) -> None:
         self._ref[page] -= 1
         if self._ref[page] == 0:
-            if page in self._hash_of:
+            if page in self._hash_of or page in self._tail_of:
                 self._evictable[page] = None
             else:
                 self._free.append(page)

@@ -24,6 +24,11 @@ class DenseKVCache:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copies page src's contents into page dst in every layer (a prompt's partial last page, taken by copy)."""
+        for t in self.k + self.v:
+            t[dst].copy_(t[src])
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         self.kernels.write_kv(k, v, self.k[layer], self.v[layer], meta.slot_mapping)
 

@@ -23,3 +23,10 @@ def extend_hashes(hashes: list[bytes], root: bytes, tokens: list[int], page_size
         parent = hashes[-1] if hashes else root
         page = array("q", tokens[i * page_size:(i + 1) * page_size]).tobytes()
         hashes.append(hashlib.blake2b(parent + page, digest_size=16).digest())
+
+
+def tail_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The hash of a partial last page: `tokens` (1 to page_size of them) after the chain ending in `parent`
+    (a full page's hash, or the root). Domain-separated from full pages: a partial entry is only ever
+    copied, never shared (kv_cache/block_manager.py)."""
+    return hashlib.blake2b(b"tail\0" + parent + array("q", tokens).tobytes(), digest_size=16).digest()

@@ -42,6 +42,11 @@ class TurboQuantKVCache:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * (head_dim // 2 + 4)
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copies page src's contents into page dst in every layer (a prompt's partial last page, taken by copy)."""
+        for t in self.k_codes + self.v_codes + self.k_scales + self.v_scales:
+            t[dst].copy_(t[src])
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         self.kernels.tq_write(k, v, self.k_codes[layer], self.k_scales[layer], self.v_codes[layer],
                               self.v_scales[layer], meta.slot_mapping, self.rotations[layer], self.centroids,
