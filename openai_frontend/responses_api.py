@@ -171,9 +171,7 @@ class ResponseRun:
         events += self._end_thinking() + self._end_message("incomplete" if cut else "completed")
         self.response["usage"] = {
             "input_tokens": tally.prompt_tokens,
-            # the engine does not report per-request prefix-cache hits (the vllm:prefix_cache_* counters are
-            # per model), so no cached token count is claimed
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": tally.cached_tokens},   # served by the prefix cache
             "output_tokens": tally.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": tally.prompt_tokens + tally.completion_tokens}

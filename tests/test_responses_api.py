@@ -186,6 +186,10 @@ def test_create_and_retrieve_equal_chat_on_the_same_prompt(client):
     assert res.instructions == "You are terse." and res.max_output_tokens == 12
     got = client.responses.retrieve(res.id)
     assert got.output_text == res.output_text and got.id == res.id
+    again = client.responses.create(input="Tell me about Paris.", instructions="You are terse.", **kw)
+    assert again.output_text == res.output_text
+    # the same whole prompt again: every token but the last one served by the prefix cache, and reported
+    assert again.usage.input_tokens_details.cached_tokens == again.usage.input_tokens - 1
 
 
 @pytest.mark.slow
