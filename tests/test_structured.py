@@ -94,6 +94,46 @@ def test_constrained_and_free_requests_get_their_solo_ids(engine, prompt):
         assert _run(engine, [p], [d])[0]["output_ids"] == r["output_ids"]
 
 
+def _accepts(engine, so: dict, text: str) -> bool:
+    """Whether the grammar of structured_outputs `so` takes `text` (as the model's tokenizer splits it) and is
+    then complete."""
+    state = engine.grammar.matcher(StructuredSpec.parse(so), False)
+    ids = engine.tokenizer.encode(text)
+    return state.matcher.try_consume_tokens(ids) == len(ids) and state.matcher.is_accepting()
+
+
+INDENTED = '{\n  "name": "Ann",\n  "age": 7\n}'
+COMPACT = '{"name":"Ann","age":7}'
+
+
+@pytest.mark.parametrize("so", [{"json": SCHEMAS[0]}, {"json_object": True}])
+def test_default_whitespace_between_json_tokens_is_bounded_as_llama_cpps(engine, so):
+    """llama.cpp's `space ::= | " " | "\n" [ \t]{0,20}`: one newline and its indentation, or one space, or
+    nothing; never two newlines in a row, nor a run of 40 spaces, so a bounded schema's JSON is bounded."""
+    for text in (INDENTED, COMPACT, '{"name": "Ann", "age": 7}', '{\n\t"name": "Ann",\n\t"age": 7\n}',
+                 '{\n' + " " * 20 + '"name": "Ann", "age": 7}'):
+        assert _accepts(engine, so, text), text
+    for text in ('{\n\n  "name": "Ann",\n  "age": 7\n}', '{' + " " * 40 + '"name": "Ann", "age": 7}',
+                 '{\n' + " " * 21 + '"name": "Ann", "age": 7}', '{"name":  "Ann", "age": 7}',
+                 '{"name": "Ann",\n\n"age": 7}', '{"name": "Ann", "age": 7} ', ' {"name": "Ann", "age": 7}'):
+        assert not _accepts(engine, so, text), text
+    compact = {**so, "disable_any_whitespace": True}   # compact JSON only
+    assert _accepts(engine, compact, COMPACT) and not _accepts(engine, compact, INDENTED)
+    assert not _accepts(engine, compact, '{"name": "Ann", "age": 7}')
+    own = {**so, "whitespace_pattern": r"[\n ]*"}        # the client's pattern wins
+    assert _accepts(engine, own, '{\n\n  "name": "Ann",' + " " * 40 + '"age": 7\n}')
+
+
+def test_a_bounded_schema_ends_under_the_default_whitespace(engine, prompt):
+    """A random-weight model (the weakest there is) sampling freely under each bounded schema, free whitespace
+    allowed by default: every JSON ends well within max_tokens and validates."""
+    datas = [{"temperature": 1.0, "seed": 10 + i, "max_tokens": 200, "structured_outputs": {"json": s}}
+             for i, s in enumerate(SCHEMAS)]
+    for data, r in zip(datas, _run(engine, [prompt] * len(datas), datas)):
+        assert r["finish_reason"] == "stop", r
+        jsonschema.validate(json.loads(r["text"]), data["structured_outputs"]["json"])
+
+
 @pytest.mark.parametrize("data, field", [
     ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs.json"),
     ({"guided_regex": "a(b"}, "guided_regex"),

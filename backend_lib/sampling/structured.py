@@ -39,10 +39,15 @@ CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 NEUTRAL_OPTIONS = {"disable_fallback": (False, True),   # there is no other backend to fall back to
                    "disable_additional_properties": (False,), "structural_tag": (None,),
                    "backend": (None, "auto", "guidance", "llguidance")}
-# Options we implement (JSON constraints): no whitespace between tokens, or a regex for it. By default
-# any whitespace may separate JSON tokens, as in vLLM; a model that keeps emitting whitespace then runs
-# to max_tokens, which `disable_any_whitespace` rules out.
+# Options we implement (JSON constraints): no whitespace between tokens, or a regex for it. By default the
+# whitespace between two JSON tokens is bounded, as in llama.cpp's JSON schema grammars (json-schema-to-
+# grammar's `space ::= | " " | "\n" [ \t]{0,20}`): nothing, one space, or one newline and at most 20 spaces or
+# tabs of indentation. Unbounded whitespace (vLLM's default) lets a weak model spend max_tokens on newlines
+# and indentation inside a schema whose strings and arrays are all bounded; bounded, such a schema's JSON is
+# bounded too. `disable_any_whitespace` allows no whitespace at all (compact JSON); a client's own
+# `whitespace_pattern` replaces the default.
 JSON_OPTIONS = ("disable_any_whitespace", "whitespace_pattern")
+BOUNDED_WHITESPACE = r"( |\n[ \t]{0,20})"   # llguidance: the optional whitespace between two JSON tokens
 # vLLM's older top-level SamplingParams / OpenAI extra keys, read as structured_outputs.<key>.
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar", "guided_json_object": "json_object"}
@@ -142,8 +147,10 @@ class StructuredSpec:
         import llguidance
         if self.kind in ("json", "json_object"):
             defaults = {"whitespace_flexible": not self.compact}
-            if self.whitespace is not None:
+            if self.whitespace is not None:     # the client's pattern
                 defaults["whitespace_pattern"] = self.whitespace
+            elif not self.compact:
+                defaults["whitespace_pattern"] = BOUNDED_WHITESPACE
             return llguidance.LLMatcher.grammar_from_json_schema(self.text, defaults=defaults)
         fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar"}[self.kind]
         return llguidance.grammar_from(fmt, self.text)
