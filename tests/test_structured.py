@@ -146,6 +146,17 @@ def test_a_bounded_schema_ends_under_the_default_whitespace(engine, prompt):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_json"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"structured_outputs": {"tool_calls": {"functions": []}}}, "structured_outputs.tool_calls.functions"),
+    ({"structured_outputs": {"tool_calls": {"functions": [{"name": ""}]}}},
+     "structured_outputs.tool_calls.functions[0].name"),
+    ({"structured_outputs": {"tool_calls": {"functions": [{"name": "f", "description": "d"}]}}},
+     "structured_outputs.tool_calls.functions[0]"),
+    ({"structured_outputs": {"tool_calls": {"functions": [{"name": "f", "parameters": {"type": "strin"}}]}}},
+     "structured_outputs.tool_calls"),
+    ({"structured_outputs": {"tool_calls": {"functions": [{"name": "f"}], "parallel": "yes"}}},
+     "structured_outputs.tool_calls.parallel"),
+    ({"structured_outputs": {"tool_calls": {"functions": [{"name": "f"}]}, "disable_any_whitespace": True}},
+     "structured_outputs"),
 ])
 def test_bad_constraints_fail_at_admission_naming_the_field(engine, prompt, data, field):
     with pytest.raises(RequestError, match=re.escape(field)):
@@ -181,10 +192,13 @@ def test_thinking_chat_constrains_after_the_think_block(engine):
 
 
 _json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-                            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                            lambda c: st.lists(c, max_size=3) | st.dictionaries(
+                                st.text(max_size=8) | st.sampled_from(["functions", "parallel", "name", "parameters",
+                                                                       "type"]), c, max_size=3),
                             max_leaves=8)
 _keys = st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
-                         "whitespace_pattern", "backend", "type", "structural_tag"])
+                         "whitespace_pattern", "backend", "type", "structural_tag", "tool_calls", "functions",
+                         "parallel", "name", "parameters"])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
