@@ -195,18 +195,20 @@ def test_prefix_cache_through_the_server_reuses_pages_and_keeps_the_ids(triton):
     assert triton.metric("vllm:kv_cache_pages_cached", m) > 0
 
 
-def _responses(url, model, **request):
-    """Every result object of one gRPC stream request (errors raised)."""
+def _responses(url, model, raw_inputs=None, **request):
+    """Every result object of one gRPC stream request (errors raised as they came). raw_inputs: InferInput tensors
+    to send as they are instead of build_inputs(**request)."""
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, build_inputs(**request), enable_empty_final_response=True)
+    client.async_stream_infer(model, raw_inputs if raw_inputs is not None else build_inputs(**request),
+                              enable_empty_final_response=True)
     out = []
     try:
         while True:
             r, e = results.get(timeout=120)
             if e is not None:
-                raise RuntimeError(str(e))
+                raise e
             out.append(r)
             if r.get_response().parameters["triton_final_response"].bool_param:
                 return out
@@ -300,3 +302,44 @@ def test_n_choices_on_the_triton_path_stream_with_their_sequence_index(triton):
         "99999999": 1}})
     assert bad[-1][0] == "ERROR" and "logit_bias" in bad[-1][1]   # every choice is validated before any runs
     assert triton.metric("vllm:num_requests_running", "qwen3_a8w8") == 0
+
+
+def test_n_choices_without_stream_send_each_choice_whole_with_its_sequence_index(triton):
+    """n without stream: one response per choice, the whole text (prompt first, as any non-streaming response) and
+    ids, tagged with its sequence_index; the last is the stream's final one. Choice j equals choice j of the
+    streaming request, and the request with seed + j alone."""
+    sp = {"max_tokens": 6, "temperature": 1.0, "seed": 33, "ignore_eos": True}
+    whole = _responses(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, stream=False, return_finish_reason=True,
+                       sampling_parameters={**sp, "n": 3})
+    assert len(whole) == 3 and [r.get_response().parameters["triton_final_response"].bool_param for r in whole] == \
+        [False, False, True]
+    by_choice = {int(r.as_numpy("sequence_index")[0]): r for r in whole}
+    assert sorted(by_choice) == [0, 1, 2]
+    streamed: dict = {}
+    for r in _responses(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, sampling_parameters={**sp, "n": 3}):
+        ids = [int(i) for i in r.as_numpy("output_ids")]
+        if ids:
+            entry = streamed.setdefault(int(r.as_numpy("sequence_index")[0]), ["", []])
+            entry[0] += r.as_numpy("text_output")[0].decode()
+            entry[1] += ids
+    for j in range(3):
+        r = by_choice[j]
+        ids = [int(i) for i in r.as_numpy("output_ids")]
+        alone = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, stream=False,
+                        sampling_parameters={**sp, "seed": 33 + j})
+        assert ids == streamed[j][1] == alone[0][1] and len(ids) == 6
+        assert r.as_numpy("text_output")[0].decode() == PROMPT + streamed[j][0] == alone[0][0]
+        assert r.as_numpy("finish_reason")[0].decode() == "length"
+    assert len({tuple(v[1]) for v in streamed.values()}) > 1
+    # HTTP: generate_stream carries the n responses; generate takes exactly one response (Triton's rule), so
+    # Triton answers n > 1 there with its own error
+    body = {"text_input": PROMPT, "stream": False, "sampling_parameters": json.dumps({**sp, "n": 3})}
+    events = list(generate_stream(triton.http_url, "qwen3_a8w8", body))
+    assert sorted((e["sequence_index"], e["output_ids"]) for e in events) == \
+        [(j, [int(i) for i in by_choice[j].as_numpy("output_ids")]) for j in range(3)]
+    req = urllib.request.Request(f"http://{triton.http_url}/v2/models/qwen3_a8w8/generate",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert "generate expects model to produce exactly 1 response" in json.loads(r.read())["error"]
+
+

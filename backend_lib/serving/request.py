@@ -58,7 +58,7 @@ class ParsedRequest:
     return_num_cached_tokens: bool = False
     return_abort_token: bool = False
     given_flags: set = field(default_factory=set)   # the flags the request sent (not defaulted)
-    n: int = 1                      # choices (vLLM's n): one engine request each, one Triton stream
+    n: int = 1                      # choices (vLLM's n): one engine request each, one Triton response stream
     logprobs_output: bool = False   # the logprobs output was asked for (return_logprobs, or logprobs: N)
 
 
@@ -253,10 +253,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
     if req.return_abort_token and not req.stream:
         raise RequestError("return_abort_token: needs stream true (the token comes in a response of its own, "
                            "before the first token)")
-    req.n = merged.pop("n", 1)
-    if req.n > 1 and not req.stream:
-        raise RequestError(f"n: {req.n} choices need stream true (each response carries its choice's "
-                           "sequence_index)")
+    req.n = merged.pop("n", 1)   # n > 1 without stream: each choice's one (final) response, with its sequence_index
     req.sampling = merged
 
     text = get("text_input")
