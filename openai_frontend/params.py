@@ -265,9 +265,10 @@ def _response_format(body: dict) -> dict | None:
     return {"json": schema}
 
 
-def _structured(gen: Generation, body: dict, forced: str | None = None) -> None:
-    """response_format, vLLM's structured_outputs and guided_* keys, and a tool grammar (`forced`), into the
-    one structured_outputs constraint the engine compiles (its errors name the field)."""
+def _structured(gen: Generation, body: dict, forced: dict | None = None) -> None:
+    """response_format, vLLM's structured_outputs and guided_* keys, and a forced tool call (`forced`, a
+    `tool_calls` constraint), into the one structured_outputs constraint the engine compiles (its errors name
+    the field)."""
     so = body.get("structured_outputs")
     guided = {k: body[k] for k in (*GUIDED_ALIASES, "guided_decoding_backend", "guided_whitespace_pattern")
               if body.get(k) is not None}
@@ -276,7 +277,7 @@ def _structured(gen: Generation, body: dict, forced: str | None = None) -> None:
         if constraint is not None:
             raise bad_request("response_format cannot be combined with tool_choice required or a named function",
                               "response_format")
-        constraint = {"grammar": forced}
+        constraint = forced
     if constraint is None:
         if so is not None:
             gen.sampling["structured_outputs"] = so
@@ -293,7 +294,7 @@ def _structured(gen: Generation, body: dict, forced: str | None = None) -> None:
         except RequestError as exc:
             raise bad_request(str(exc), "structured_outputs") from None
         options = {"disable_any_whitespace": opts["compact"], "whitespace_pattern": opts["whitespace"]}
-        if "grammar" in constraint and (opts["compact"] or opts["whitespace"]):
+        if "tool_calls" in constraint and (opts["compact"] or opts["whitespace"]):
             raise bad_request("structured_outputs: whitespace options do not apply to tool calls",
                               "structured_outputs")
     gen.sampling["structured_outputs"] = {**constraint, **{k: v for k, v in options.items() if v}}
@@ -500,5 +501,5 @@ def parse_chat(body) -> Generation:
     gen.tools = parse_tools(body)
     include = _boolean(body, "include_reasoning")
     gen.include_reasoning = include is not False
-    _structured(gen, body, gen.tools.grammar() if gen.tools is not None else None)
+    _structured(gen, body, gen.tools.constraint() if gen.tools is not None else None)
     return gen

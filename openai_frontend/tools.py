@@ -2,11 +2,12 @@
 Qwen3's chat template (the tokenizer model), and, for `required` or a named function, enforced with a
 grammar so that the output is a valid call whatever the model would have chosen.
 
-The grammar is Lark for llguidance (the engine's grammar engine): Qwen3's `<tool_call>` and
-`</tool_call>` are single tokens, referenced by name, around a JSON body that must be one of the
-allowed functions with arguments matching its `parameters` schema. The JSON is written as Qwen3
-writes it (`{"name": ..., "arguments": {...}}` with ", " and ": " separators), without free
-whitespace, so a model cannot stall in indentation.
+The front asks for the grammar by what it must allow (structured_outputs `tool_calls`: the functions and
+whether several calls may follow each other); the engine builds it (backend_lib.sampling.structured) from
+its own vocabulary: `<tool_call>` and `</tool_call>` are single tokens where the vocabulary has them (Qwen3:
+added tokens), their text otherwise, around a JSON body that must be one of the allowed functions with
+arguments matching its `parameters` schema, written as Qwen3 writes it (`{"name": ..., "arguments":
+{...}}` with ", " and ": " separators), without free whitespace, so a model cannot stall in indentation.
 """
 from __future__ import annotations
 
@@ -30,20 +31,13 @@ class ToolRequest:
         """Whether the output's <tool_call> blocks become tool_calls (vLLM: not with tool_choice none)."""
         return self.choice != "none"
 
-    def grammar(self) -> str | None:
-        """The Lark grammar that forces a call (required / named), or None (auto / none)."""
+    def constraint(self) -> dict | None:
+        """The structured_outputs constraint that forces a call (required / named), or None (auto / none)."""
         if self.choice not in ("required", None):
             return None
         fns = [t["function"] for t in self.tools if self.name is None or t["function"]["name"] == self.name]
-        variants = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                     "properties": {"name": {"const": f["name"]},
-                                    "arguments": f.get("parameters") or {"type": "object"}}} for f in fns]
-        body = {"anyOf": variants,
-                "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
-        repeat = ' ("\\n" call)*' if self.parallel and self.name is None else ""
-        return (f"start: call{repeat}\n"
-                'call: <tool_call> "\\n" body "\\n" </tool_call>\n'
-                f"body: %json {json.dumps(body)}\n")
+        functions = [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in fns]
+        return {"tool_calls": {"functions": functions, "parallel": self.parallel and self.name is None}}
 
 
 def _function(tool, i: int) -> dict:
@@ -105,7 +99,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
 
 def _check_enforced_schemas(req: ToolRequest) -> None:
     """A tool whose parameters the grammar enforces must compile as a JSON schema: refused here, naming the
-    tool, rather than by the engine, which sees only the combined grammar (structured_outputs.grammar, a
+    tool, rather than by the engine, which sees only the combined constraint (structured_outputs.tool_calls, a
     field the client never sent)."""
     import llguidance
 

@@ -144,5 +144,73 @@ def test_fuzzed_application_fields_are_a_generation_or_a_400(fields):
         assert exc.status == 400
         return
     if gen.tools is not None:
-        gen.tools.grammar()
         json.dumps(gen.tools.tools)
+        if gen.tools.constraint() is not None:   # the front's own constraint: one the engine parses
+            assert StructuredSpec.parse(gen.sampling["structured_outputs"]).kind == "tool_calls"
+
+
+def _without_tool_call_tokens(src, dst):
+    """A copy of the checkpoint at `src` whose vocabulary has no `<tool_call>` / `</tool_call>` token: their two
+    added tokens renamed (every id stays), so the text is ordinary BPE tokens, as on a tokenizer without them."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json"):
+            (dst / f.name).symlink_to(f)
+    names = {"<tool_call>": "<|unused_0|>", "</tool_call>": "<|unused_1|>"}
+    tj = json.loads((src / "tokenizer.json").read_text())
+    for t in tj["added_tokens"]:
+        t["content"] = names.get(t["content"], t["content"])
+    (dst / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    for t in cfg.get("added_tokens_decoder", {}).values():
+        t["content"] = names.get(t["content"], t["content"])
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    return dst
+
+
+def _first_allowed(engine, gen) -> list[int]:
+    import numpy as np
+    import torch
+
+    state = engine.grammar.matcher(StructuredSpec.parse(gen.sampling["structured_outputs"]), False)
+    mask = torch.zeros((engine.vocab_size + 31) // 32, dtype=torch.int32)
+    state.fill_mask(mask)
+    return np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")).tolist()
+
+
+def test_forced_tool_calls_are_built_from_the_vocabulary_with_or_without_tool_call_tokens(a8w8_engine, bf16_ckpt,
+                                                                                           tmp_path):
+    """Qwen3's vocabulary: a forced call starts with its `<tool_call>` token and nothing else. A vocabulary without
+    that token: the same request compiles (no 400 about a token the client never named) and the model writes the
+    delimiters as text, which the front's parser reads as the same calls."""
+    from helpers import make_engine
+    from openai_frontend import tool_calls
+
+    required = parse_chat({"model": "m", "messages": MSGS, "tools": TOOLS, "tool_choice": "required"})
+    assert required.sampling["structured_outputs"] == {"tool_calls": {"functions": [
+        {"name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}], "parallel": True}}
+    qwen_open = a8w8_engine.tokenizer.hf.token_to_id("<tool_call>")
+    assert _first_allowed(a8w8_engine, required) == [qwen_open]
+
+    plain = make_engine(_without_tool_call_tokens(bf16_ckpt, tmp_path / "plain"))
+    tok = plain.tokenizer
+    assert tok.hf.token_to_id("<tool_call>") is None and len(tok.encode("<tool_call>")) > 1
+    first = _first_allowed(plain, required)
+    assert qwen_open not in first and tok.encode("<")[0] in first
+    spec = StructuredSpec.parse(required.sampling["structured_outputs"])
+    state = plain.grammar.matcher(spec, False)
+    ids = tok.encode(CALL + "\n" + CALL)
+    assert state.matcher.try_consume_tokens(ids) == len(ids) and state.matcher.is_accepting()
+    bounded = [{"type": "function", "function": {"name": "get_weather", "parameters": {   # a random model's call ends
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    forced = parse_chat({"model": "m", "messages": MSGS, "tools": bounded, "tool_choice": "required",
+                         "parallel_tool_calls": False})
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}], tools=bounded,
+                                                enable_thinking=False))
+    datas = [{**forced.sampling, "temperature": 1.0, "seed": s, "max_tokens": 120} for s in (1, 2)]
+    for r in plain.generate([prompt] * 2, [plain.make_params(d) for d in datas]):
+        assert r["finish_reason"] == "stop", r
+        content, calls = tool_calls.parse(r["text"])
+        assert content is None and [c.name for c in calls] == ["get_weather"], r["text"]
+        assert set(json.loads(calls[0].arguments)) == {"city"}

@@ -214,7 +214,7 @@ def test_hostile_requests_fail_alone_beside_reference_streams(triton):
         assert "internal error" not in s.error.lower() and s.ids == [], s.error
     # HTTP generate: JSON keys that are not inputs are request parameters; surrogates in JSON strings
     for body, words in [({"text_input": PROMPT, "max_tokens": 3, "bogus": 1}, "bogus"),
-                        ({"text_input": PROMPT, "max_tokens": 3, "n": 2}, "n: 2 choices need stream"),
+                        ({"text_input": PROMPT, "max_tokens": 3, "n": 17}, "n must be an integer in [1, 16]"),
                         ({"text_input": PROMPT, "input_ids": [1, 2], "max_tokens": 3}, "input_ids"),
                         ({"text_input": PROMPT, "sampling_parameters": '{"seed": %s}' % ("7" * 999)},
                          "sampling_parameters.seed")]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -28,8 +29,12 @@ def test_python_models_declare_no_io_of_their_own(model):
 
 
 class FakeConfig:
-    def __init__(self):
+    def __init__(self, max_batch_size: int = 0):
         self.inputs, self.outputs, self.policy, self.mbs = [], [], None, None
+        self.configured = max_batch_size    # what config.pbtxt says
+
+    def as_dict(self):
+        return {"max_batch_size": self.configured}
 
     def add_input(self, d):
         self.inputs.append(d)
@@ -52,6 +57,42 @@ def test_llm_auto_complete_declares_every_schema_field_optional_and_decoupled():
     assert all(d["optional"] for d in cfg.inputs)
     assert [d["name"] for d in cfg.outputs] == [f.name for f in schema.LLM_OUTPUTS]
     assert cfg.policy == {"decoupled": True} and cfg.mbs == 0
+    # max_batch_size 1 in config.pbtxt: TensorRT-LLM's shapes (a batch dimension first); nothing else
+    assert TritonLLMModel.auto_complete_config(FakeConfig(1)).mbs == 1
+    with pytest.raises(ValueError, match="max_batch_size 8"):
+        TritonLLMModel.auto_complete_config(FakeConfig(8))
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_scalar_inputs_shaped_as_vllm_backend_or_tensorrt_llm_parse_alike(shape):
+    """vllm_backend's scalars are [1]; TensorRT-LLM's (Triton's OpenAI frontend, genai-perf's converter) [1, 1]."""
+    def arr(value, dtype):
+        return np.array(value, dtype=dtype).reshape(shape)
+
+    batch = (1,) if len(shape) == 2 else ()
+    inputs = {"max_tokens": arr(7, np.int32), "temperature": arr(0.5, np.float32), "stream": arr(True, np.bool_),
+              "sampling_parameters": arr(b'{"ignore_eos": true}', np.object_),
+              "input_ids": np.array([1, 2, 3], dtype=np.int32).reshape(batch + (3,)),
+              "stop_words": np.array([b"a", b"b"], dtype=np.object_).reshape(batch + (2,))}
+    req = parse_request(inputs, None)
+    assert req.input_ids == [1, 2, 3] and req.stream
+    assert parse_request({"text_input": arr(b"hi", np.object_)}, None).text == "hi"
+    assert req.sampling == {"max_tokens": 7, "temperature": 0.5, "ignore_eos": True, "stop": ["a", "b"]}
+
+
+@pytest.mark.parametrize("name, arr", [
+    ("max_tokens", np.array([3, 4], dtype=np.int32)), ("max_tokens", np.array([[3, 4]], dtype=np.int32)),
+    ("max_tokens", np.array([[3], [4]], dtype=np.int32)), ("max_tokens", np.array([[[3]]], dtype=np.int32)),
+    ("max_tokens", np.array([], dtype=np.int32)), ("temperature", np.array([[0.5, 0.5]], dtype=np.float32)),
+    ("stream", np.array([[True], [True]])), ("input_ids", np.array([[1, 2], [3, 4]], dtype=np.int32)),
+    ("stop_words", np.array([[b"a"], [b"b"]], dtype=np.object_)),
+])
+def test_inputs_of_any_other_shape_are_refused_naming_the_input_and_its_shape(name, arr):
+    inputs = {"text_input": np.array([b"hi"], dtype=np.object_), name: arr}
+    if name == "input_ids":
+        del inputs["text_input"]
+    with pytest.raises(RequestError, match=rf"^{name}: .*got shape {re.escape(str(list(arr.shape)))}"):
+        parse_request(inputs, None)
 
 
 def test_every_sampling_input_reaches_the_sampling_fields_with_its_schema_type():

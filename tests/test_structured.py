@@ -94,6 +94,46 @@ def test_constrained_and_free_requests_get_their_solo_ids(engine, prompt):
         assert _run(engine, [p], [d])[0]["output_ids"] == r["output_ids"]
 
 
+def _accepts(engine, so: dict, text: str) -> bool:
+    """Whether the grammar of structured_outputs `so` takes `text` (as the model's tokenizer splits it) and is
+    then complete."""
+    state = engine.grammar.matcher(StructuredSpec.parse(so), False)
+    ids = engine.tokenizer.encode(text)
+    return state.matcher.try_consume_tokens(ids) == len(ids) and state.matcher.is_accepting()
+
+
+INDENTED = '{\n  "name": "Ann",\n  "age": 7\n}'
+COMPACT = '{"name":"Ann","age":7}'
+
+
+@pytest.mark.parametrize("so", [{"json": SCHEMAS[0]}, {"json_object": True}])
+def test_default_whitespace_between_json_tokens_is_bounded_as_llama_cpps(engine, so):
+    """llama.cpp's `space ::= | " " | "\n" [ \t]{0,20}`: one newline and its indentation, or one space, or
+    nothing; never two newlines in a row, nor a run of 40 spaces, so a bounded schema's JSON is bounded."""
+    for text in (INDENTED, COMPACT, '{"name": "Ann", "age": 7}', '{\n\t"name": "Ann",\n\t"age": 7\n}',
+                 '{\n' + " " * 20 + '"name": "Ann", "age": 7}'):
+        assert _accepts(engine, so, text), text
+    for text in ('{\n\n  "name": "Ann",\n  "age": 7\n}', '{' + " " * 40 + '"name": "Ann", "age": 7}',
+                 '{\n' + " " * 21 + '"name": "Ann", "age": 7}', '{"name":  "Ann", "age": 7}',
+                 '{"name": "Ann",\n\n"age": 7}', '{"name": "Ann", "age": 7} ', ' {"name": "Ann", "age": 7}'):
+        assert not _accepts(engine, so, text), text
+    compact = {**so, "disable_any_whitespace": True}   # compact JSON only
+    assert _accepts(engine, compact, COMPACT) and not _accepts(engine, compact, INDENTED)
+    assert not _accepts(engine, compact, '{"name": "Ann", "age": 7}')
+    own = {**so, "whitespace_pattern": r"[\n ]*"}        # the client's pattern wins
+    assert _accepts(engine, own, '{\n\n  "name": "Ann",' + " " * 40 + '"age": 7\n}')
+
+
+def test_a_bounded_schema_ends_under_the_default_whitespace(engine, prompt):
+    """A random-weight model (the weakest there is) sampling freely under each bounded schema, free whitespace
+    allowed by default: every JSON ends well within max_tokens and validates."""
+    datas = [{"temperature": 1.0, "seed": 10 + i, "max_tokens": 200, "structured_outputs": {"json": s}}
+             for i, s in enumerate(SCHEMAS)]
+    for data, r in zip(datas, _run(engine, [prompt] * len(datas), datas)):
+        assert r["finish_reason"] == "stop", r
+        jsonschema.validate(json.loads(r["text"]), data["structured_outputs"]["json"])
+
+
 @pytest.mark.parametrize("data, field", [
     ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs.json"),
     ({"guided_regex": "a(b"}, "guided_regex"),
@@ -106,6 +146,17 @@ def test_constrained_and_free_requests_get_their_solo_ids(engine, prompt):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_json"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"structured_outputs": {"tool_calls": {"functions": []}}}, "structured_outputs.tool_calls.functions"),
+    ({"structured_outputs": {"tool_calls": {"functions": [{"name": ""}]}}},
+     "structured_outputs.tool_calls.functions[0].name"),
+    ({"structured_outputs": {"tool_calls": {"functions": [{"name": "f", "description": "d"}]}}},
+     "structured_outputs.tool_calls.functions[0]"),
+    ({"structured_outputs": {"tool_calls": {"functions": [{"name": "f", "parameters": {"type": "strin"}}]}}},
+     "structured_outputs.tool_calls"),
+    ({"structured_outputs": {"tool_calls": {"functions": [{"name": "f"}], "parallel": "yes"}}},
+     "structured_outputs.tool_calls.parallel"),
+    ({"structured_outputs": {"tool_calls": {"functions": [{"name": "f"}]}, "disable_any_whitespace": True}},
+     "structured_outputs"),
 ])
 def test_bad_constraints_fail_at_admission_naming_the_field(engine, prompt, data, field):
     with pytest.raises(RequestError, match=re.escape(field)):
@@ -141,10 +192,13 @@ def test_thinking_chat_constrains_after_the_think_block(engine):
 
 
 _json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-                            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                            lambda c: st.lists(c, max_size=3) | st.dictionaries(
+                                st.text(max_size=8) | st.sampled_from(["functions", "parallel", "name", "parameters",
+                                                                       "type"]), c, max_size=3),
                             max_leaves=8)
 _keys = st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
-                         "whitespace_pattern", "backend", "type", "structural_tag"])
+                         "whitespace_pattern", "backend", "type", "structural_tag", "tool_calls", "functions",
+                         "parallel", "name", "parameters"])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

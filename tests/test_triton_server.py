@@ -8,13 +8,14 @@ import threading
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from client.http_stream import generate_stream
 from client.stream import stream_generate
 from client.triton_inputs import build_inputs
-from helpers import GREEDY, HUB_ID, HUB_REVISION, PROMPT, collect, offline_generate
+from helpers import GREEDY, HUB_ID, HUB_REVISION, PROMPT, SERVER_ENGINE, collect, offline_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -195,18 +196,20 @@ def test_prefix_cache_through_the_server_reuses_pages_and_keeps_the_ids(triton):
     assert triton.metric("vllm:kv_cache_pages_cached", m) > 0
 
 
-def _responses(url, model, **request):
-    """Every result object of one gRPC stream request (errors raised)."""
+def _responses(url, model, raw_inputs=None, **request):
+    """Every result object of one gRPC stream request (errors raised as they came). raw_inputs: InferInput tensors
+    to send as they are instead of build_inputs(**request)."""
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, build_inputs(**request), enable_empty_final_response=True)
+    client.async_stream_infer(model, raw_inputs if raw_inputs is not None else build_inputs(**request),
+                              enable_empty_final_response=True)
     out = []
     try:
         while True:
             r, e = results.get(timeout=120)
             if e is not None:
-                raise RuntimeError(str(e))
+                raise e
             out.append(r)
             if r.get_response().parameters["triton_final_response"].bool_param:
                 return out
@@ -300,3 +303,123 @@ def test_n_choices_on_the_triton_path_stream_with_their_sequence_index(triton):
         "99999999": 1}})
     assert bad[-1][0] == "ERROR" and "logit_bias" in bad[-1][1]   # every choice is validated before any runs
     assert triton.metric("vllm:num_requests_running", "qwen3_a8w8") == 0
+
+
+def test_n_choices_without_stream_send_each_choice_whole_with_its_sequence_index(triton):
+    """n without stream: one response per choice, the whole text (prompt first, as any non-streaming response) and
+    ids, tagged with its sequence_index; the last is the stream's final one. Choice j equals choice j of the
+    streaming request, and the request with seed + j alone."""
+    sp = {"max_tokens": 6, "temperature": 1.0, "seed": 33, "ignore_eos": True}
+    whole = _responses(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, stream=False, return_finish_reason=True,
+                       sampling_parameters={**sp, "n": 3})
+    assert len(whole) == 3 and [r.get_response().parameters["triton_final_response"].bool_param for r in whole] == \
+        [False, False, True]
+    by_choice = {int(r.as_numpy("sequence_index")[0]): r for r in whole}
+    assert sorted(by_choice) == [0, 1, 2]
+    streamed: dict = {}
+    for r in _responses(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, sampling_parameters={**sp, "n": 3}):
+        ids = [int(i) for i in r.as_numpy("output_ids")]
+        if ids:
+            entry = streamed.setdefault(int(r.as_numpy("sequence_index")[0]), ["", []])
+            entry[0] += r.as_numpy("text_output")[0].decode()
+            entry[1] += ids
+    for j in range(3):
+        r = by_choice[j]
+        ids = [int(i) for i in r.as_numpy("output_ids")]
+        alone = collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, stream=False,
+                        sampling_parameters={**sp, "seed": 33 + j})
+        assert ids == streamed[j][1] == alone[0][1] and len(ids) == 6
+        assert r.as_numpy("text_output")[0].decode() == PROMPT + streamed[j][0] == alone[0][0]
+        assert r.as_numpy("finish_reason")[0].decode() == "length"
+    assert len({tuple(v[1]) for v in streamed.values()}) > 1
+    # HTTP: generate_stream carries the n responses; generate takes exactly one response (Triton's rule), so
+    # Triton answers n > 1 there with its own error
+    body = {"text_input": PROMPT, "stream": False, "sampling_parameters": json.dumps({**sp, "n": 3})}
+    events = list(generate_stream(triton.http_url, "qwen3_a8w8", body))
+    assert sorted((e["sequence_index"], e["output_ids"]) for e in events) == \
+        [(j, [int(i) for i in by_choice[j].as_numpy("output_ids")]) for j in range(3)]
+    req = urllib.request.Request(f"http://{triton.http_url}/v2/models/qwen3_a8w8/generate",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert "generate expects model to produce exactly 1 response" in json.loads(r.read())["error"]
+
+
+
+@pytest.fixture(scope="module")
+def trt_shaped(tmp_path_factory, a8w8_ckpt):
+    """A tritonserver whose LLM model (qwen3_a8w8's config, the same checkpoint and engine) says max_batch_size 1:
+    TensorRT-LLM's tensor shapes, a batch dimension first."""
+    from harness.triton_server import TritonServer, make_repository
+
+    root = tmp_path_factory.mktemp("triton-trt-shapes")
+    repo = make_repository(root / "models", {"qwen3_trt": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt),
+                                                           "_source": "qwen3_a8w8"}})
+    cfg = repo / "qwen3_trt" / "config.pbtxt"
+    cfg.write_text(cfg.read_text() + "max_batch_size: 1\n")
+    server = TritonServer(repo, root / "tritonserver.log").start()
+    yield server
+    server.stop()
+
+
+def _shaped(shape, **values) -> list:
+    """Input tensors of the given shape ([1] or [1, 1]) from scalar values, by their schema types."""
+    from backend_lib.serving.schema import LLM_INPUT
+
+    out = []
+    for name, value in values.items():
+        f = LLM_INPUT[name]
+        arr = np.array(value.encode() if isinstance(value, str) else value, dtype=f.np_dtype).reshape(shape)
+        t = grpcclient.InferInput(name, list(arr.shape), f.wire_type)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+TRT_GREEDY = dict(text_input=PROMPT, max_tokens=8, temperature=0.0, sampling_parameters='{"ignore_eos": true}')
+
+
+def test_tensorrt_llm_shaped_inputs_get_the_ids_of_the_vllm_shaped_request(triton, trt_shaped):
+    """max_batch_size 1: every scalar input shaped [1, 1] (as Triton's OpenAI frontend and genai-perf's TensorRT-LLM
+    converter send them), streamed or whole, gets the greedy ids the default model gives the [1]-shaped request;
+    every output has the batch dimension first."""
+    expected = [i for _, ids, _ in collect(triton.grpc_url, "qwen3_a8w8", prompt=PROMPT, max_tokens=8, **GREEDY)
+                for i in ids]
+    assert len(expected) == 8
+    for stream in (True, False):
+        stop = np.array([[b"never in this text"]], dtype=np.object_)   # TensorRT-LLM's stop_words: [1, n]
+        stop_words = grpcclient.InferInput("stop_words", list(stop.shape), "BYTES")
+        stop_words.set_data_from_numpy(stop)
+        rs = _responses(trt_shaped.grpc_url, "qwen3_trt", raw_inputs=_shaped(
+            (1, 1), **TRT_GREEDY, stream=stream, return_finish_reason=True) + [stop_words])
+        assert [i for r in rs for i in r.as_numpy("output_ids").reshape(-1).tolist()] == expected
+        assert all(r.as_numpy("output_ids").shape[0] == 1 and r.as_numpy("text_output").shape == (1, 1) for r in rs
+                   if r.as_numpy("output_ids") is not None)
+        assert rs[-1].as_numpy("finish_reason").reshape(-1)[0].decode() == "length"
+    same = _responses(triton.grpc_url, "qwen3_a8w8", raw_inputs=_shaped((1,), **TRT_GREEDY, stream=True))
+    assert [i for r in same for i in r.as_numpy("output_ids").tolist()] == expected
+
+
+@pytest.mark.parametrize("server, model, shape", [("triton", "qwen3_a8w8", (2,)), ("trt_shaped", "qwen3_trt", (1, 2)),
+                                                  ("triton", "qwen3_a8w8", (1, 1))])
+def test_a_max_tokens_of_another_shape_is_invalid_arg_naming_it(request, server, model, shape):
+    """A [2] max_tokens on the [1]-shaped model, a [1, 2] one on the [1, 1]-shaped model, and a TensorRT-LLM-shaped
+    [1, 1] one on the default model (Triton checks every input's rank against the config): INVALID_ARG naming
+    max_tokens, and the model keeps serving."""
+    url = request.getfixturevalue(server).grpc_url
+    base = (1, 1) if model == "qwen3_trt" else (1,)
+    inputs = [t for t in _shaped(base, **TRT_GREEDY) if t.name() != "max_tokens"]
+    bad = np.arange(1, 1 + int(np.prod(shape)), dtype=np.int32).reshape(shape)
+    max_tokens = grpcclient.InferInput("max_tokens", list(bad.shape), "INT32")
+    max_tokens.set_data_from_numpy(bad)
+    with pytest.raises(grpcclient.InferenceServerException) as err:
+        _responses(url, model, raw_inputs=inputs + [max_tokens])
+    assert re.search(rf"unexpected shape for input 'max_tokens' .* got \[{','.join(map(str, shape))}\]",
+                     err.value.message()), err.value.message()   # Triton's INVALID_ARG (no status on a stream)
+    if shape == (2,):   # the status, where the transport carries one: HTTP generate, 400
+        body = {**TRT_GREEDY, "max_tokens": [3, 4]}
+        req = urllib.request.Request(f"http://{request.getfixturevalue(server).http_url}/v2/models/{model}/generate",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(req, timeout=60)
+        assert http_err.value.code == 400 and "'max_tokens'" in http_err.value.read().decode()
+    assert len(_responses(url, model, raw_inputs=_shaped(base, **TRT_GREEDY))) >= 1

@@ -120,7 +120,7 @@ def test_request_parameters_are_strict():
     base = _arrays(text_input="hi")
     for params, field in [({"bogus_key": 1}, "bogus_key"), ({"max_tokenz": 5}, "max_tokenz"),
                           ({"temperatur": 0.5}, "temperatur"), ({"stream": 7}, "parameters.stream"),
-                          ({"n": 17}, "n must be"), ({"n": 2}, "n: 2 choices need stream"),
+                          ({"n": 17}, "n must be"), ({"n": 0}, "n must be"),
                           ({"n": "x"}, "n must be"), ({"sampling_parameters": "{}"}, "sampling_parameters"),
                           ({"max_tokens": "1" * 400}, "max_tokens"), ({"cache_salt": "\ud800"}, "parameters")]:
         with pytest.raises(RequestError, match=field):
@@ -129,6 +129,7 @@ def test_request_parameters_are_strict():
     req = parse_request(base, json.dumps({"max_tokens": "16", "temperature": 0.5, "stream": "true", "n": 1}))
     assert req.sampling == {"max_tokens": 16, "temperature": 0.5} and req.stream and req.n == 1
     assert parse_request(base, json.dumps({"stream": True, "n": "3"})).n == 3
+    assert parse_request(base, json.dumps({"n": 2})).n == 2   # without stream: each choice's one response
 
 
 def test_a_field_given_twice_must_agree():

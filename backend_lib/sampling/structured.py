@@ -1,5 +1,5 @@
 """Structured output: per-request token masks from a grammar (a JSON schema, any JSON object, a regex,
-a choice among strings, a Lark/EBNF grammar).
+a choice among strings, a Lark/EBNF grammar, forced Qwen3 tool calls).
 
 The grammar engine is llguidance. Measured on this project's 2-core CPU with the Qwen3 vocabulary
 (151,936 ids) and a nested schema: llguidance ~0.13 ms per token mask, ~1.5 ms to compile;
@@ -33,16 +33,22 @@ import torch
 from .. import json_input   # the module, not its names: json_input imports this package's errors
 from .errors import RequestError
 
-# vLLM's StructuredOutputsParams: the constraint keys (exactly one per request) and the options we
-# accept only with their neutral value.
-CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's StructuredOutputsParams: the constraint keys (exactly one per request), then ours (`tool_calls`: a
+# forced Qwen3 tool call, the OpenAI front's tool_choice required / named), and the options we accept only
+# with their neutral value.
+CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "tool_calls")
 NEUTRAL_OPTIONS = {"disable_fallback": (False, True),   # there is no other backend to fall back to
                    "disable_additional_properties": (False,), "structural_tag": (None,),
                    "backend": (None, "auto", "guidance", "llguidance")}
-# Options we implement (JSON constraints): no whitespace between tokens, or a regex for it. By default
-# any whitespace may separate JSON tokens, as in vLLM; a model that keeps emitting whitespace then runs
-# to max_tokens, which `disable_any_whitespace` rules out.
+# Options we implement (JSON constraints): no whitespace between tokens, or a regex for it. By default the
+# whitespace between two JSON tokens is bounded, as in llama.cpp's JSON schema grammars (json-schema-to-
+# grammar's `space ::= | " " | "\n" [ \t]{0,20}`): nothing, one space, or one newline and at most 20 spaces or
+# tabs of indentation. Unbounded whitespace (vLLM's default) lets a weak model spend max_tokens on newlines
+# and indentation inside a schema whose strings and arrays are all bounded; bounded, such a schema's JSON is
+# bounded too. `disable_any_whitespace` allows no whitespace at all (compact JSON); a client's own
+# `whitespace_pattern` replaces the default.
 JSON_OPTIONS = ("disable_any_whitespace", "whitespace_pattern")
+BOUNDED_WHITESPACE = r"( |\n[ \t]{0,20})"   # llguidance: the optional whitespace between two JSON tokens
 # vLLM's older top-level SamplingParams / OpenAI extra keys, read as structured_outputs.<key>.
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar", "guided_json_object": "json_object"}
@@ -50,12 +56,15 @@ GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 STRUCTURED_KEYS = frozenset({"structured_outputs", "guided_decoding", "guided_decoding_backend",
                              "guided_whitespace_pattern", *GUIDED_ALIASES})
 MAX_SPEC_BYTES = 1 << 16        # a schema or grammar larger than this is refused before compiling
+MAX_TOOL_FUNCTIONS = 128
+MAX_FUNCTION_NAME = 64
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")   # Qwen3's (Hermes) call delimiters
 CACHE_SIZE = 256                # compiled grammars kept (LRU), keyed by the canonical spec
 
 
 @dataclass(frozen=True)
 class StructuredSpec:
-    """One constraint: `kind` in CONSTRAINT_KEYS, `text` its canonical form (JSON text for json/choice)."""
+    """One constraint: `kind` in CONSTRAINT_KEYS, `text` its canonical form (JSON text for json/choice/tool_calls)."""
     kind: str
     text: str
     field: str                  # how the client named it, for error messages
@@ -108,7 +117,9 @@ class StructuredSpec:
 
     @classmethod
     def of(cls, kind: str, v, field: str, compact: bool = False, whitespace: str | None = None) -> "StructuredSpec":
-        if kind == "json_object":
+        if kind == "tool_calls":
+            text = json.dumps(_tool_calls(v, field))
+        elif kind == "json_object":
             if v is not True:
                 raise RequestError(f"{field} must be true")
             text = '{"type": "object"}'
@@ -137,16 +148,66 @@ class StructuredSpec:
         """What identifies the compiled grammar (the cache key)."""
         return self.kind, self.text, self.compact, self.whitespace
 
-    def grammar(self) -> str:
-        """The llguidance grammar definition (compiled lazily by the matcher)."""
+    def grammar(self, token: Callable[[str], str] = json.dumps) -> str:
+        """The llguidance grammar definition (compiled lazily by the matcher). `token(text)`: how the grammar
+        names a delimiter the tool-call grammar needs (the vocabulary's token where it has one, else the text:
+        GrammarCompiler.token_ref)."""
         import llguidance
+        if self.kind == "tool_calls":
+            return llguidance.grammar_from("grammar", _tool_calls_lark(json.loads(self.text), token))
         if self.kind in ("json", "json_object"):
             defaults = {"whitespace_flexible": not self.compact}
-            if self.whitespace is not None:
+            if self.whitespace is not None:     # the client's pattern
                 defaults["whitespace_pattern"] = self.whitespace
+            elif not self.compact:
+                defaults["whitespace_pattern"] = BOUNDED_WHITESPACE
             return llguidance.LLMatcher.grammar_from_json_schema(self.text, defaults=defaults)
         fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar"}[self.kind]
         return llguidance.grammar_from(fmt, self.text)
+
+
+def _tool_calls(v, field: str) -> dict:
+    """`{"functions": [{"name", "parameters"}], "parallel": bool}` checked, in its canonical form."""
+    if isinstance(v, str):
+        v = json_input.loads(v, field)
+    if not isinstance(v, dict) or set(v) - {"functions", "parallel"}:
+        raise RequestError(f"{field} must be an object {{functions: [{{name, parameters}}], parallel}}")
+    parallel = v.get("parallel", True)
+    if not isinstance(parallel, bool):
+        raise RequestError(f"{field}.parallel must be a boolean")
+    fns = v.get("functions")
+    if not isinstance(fns, list) or not 1 <= len(fns) <= MAX_TOOL_FUNCTIONS:
+        raise RequestError(f"{field}.functions must be a list of 1 to {MAX_TOOL_FUNCTIONS} functions")
+    out = []
+    for i, fn in enumerate(fns):
+        where = f"{field}.functions[{i}]"
+        if not isinstance(fn, dict) or set(fn) - {"name", "parameters"}:
+            raise RequestError(f"{where} must be an object {{name, parameters}}")
+        name, params = fn.get("name"), fn.get("parameters")
+        if not isinstance(name, str) or not name or len(name) > MAX_FUNCTION_NAME:
+            raise RequestError(f"{where}.name must be a non-empty string of at most {MAX_FUNCTION_NAME} characters")
+        if params is not None and not isinstance(params, (dict, bool)):
+            raise RequestError(f"{where}.parameters must be a JSON schema (an object)")
+        out.append({"name": name, "parameters": {"type": "object"} if params is None else params})
+    return {"functions": out, "parallel": parallel}
+
+
+def _tool_calls_lark(value: dict, token: Callable[[str], str]) -> str:
+    """The Lark grammar of forced tool calls: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one
+    call or (parallel) several separated by newlines; the JSON is one of the functions with arguments matching
+    its `parameters`, written as Qwen3 writes it (", " and ": ", no free whitespace, so a model cannot stall in
+    indentation). The delimiters are the vocabulary's tokens where it has them (Qwen3: added tokens), else
+    their text (a vocabulary without them): `token` decides."""
+    variants = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                 "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}}
+                for f in value["functions"]]
+    body = {"anyOf": variants,
+            "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
+    start, end = (token(t) for t in TOOL_CALL_TOKENS)
+    repeat = ' ("\\n" call)*' if value["parallel"] else ""
+    return (f"start: call{repeat}\n"
+            f'call: {start} "\\n" body "\\n" {end}\n'
+            f"body: %json {json.dumps(body)}\n")
 
 
 def spec_from_sampling(data: dict) -> tuple[dict, StructuredSpec | None]:
@@ -267,6 +328,16 @@ class GrammarCompiler:
                                                      eos_token=self.eos_ids)
         return self._tokenizer
 
+    def token_ref(self, text: str) -> str:
+        """How a grammar names `text`: the vocabulary's token (`<[id]>`) where the text is one special or added
+        token of it, else the text itself (a Lark string), which the model writes in ordinary tokens. Called
+        with the lock held."""
+        tok = self._llg_tokenizer()
+        ids = tok.tokenize_str(text)
+        if len(ids) == 1 and tok.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
     def matcher(self, spec: StructuredSpec, wait_for_think_end: bool) -> GrammarState:
         """A fresh matcher for `spec` (compiled once per spec, then copied), or a RequestError naming the field."""
         import llguidance
@@ -275,7 +346,7 @@ class GrammarCompiler:
             pristine = self._cache.get(key)
             if pristine is None:
                 try:
-                    grammar = spec.grammar()
+                    grammar = spec.grammar(self.token_ref)
                     pristine = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
                 except (ValueError, TypeError) as exc:
                     raise RequestError(f"{spec.field}: {exc}") from None

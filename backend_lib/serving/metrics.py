@@ -158,7 +158,7 @@ class EngineMetrics:
         self.e2e.observe(req.e2e_s)
         self.request_prompt.observe(req.prompt_tokens)
         self.request_generation.observe(req.generation_tokens)
-        self.request_n.observe(1)    # n > 1 is refused at admission
+        self.request_n.observe(1)    # each of n choices is an engine request of its own
         if req.lora_name is not None and self._lora_requests is not None:
             counter = self._lora_counts.get(req.lora_name)
             if counter is None:

@@ -58,7 +58,7 @@ class ParsedRequest:
     return_num_cached_tokens: bool = False
     return_abort_token: bool = False
     given_flags: set = field(default_factory=set)   # the flags the request sent (not defaulted)
-    n: int = 1                      # choices (vLLM's n): one engine request each, one Triton stream
+    n: int = 1                      # choices (vLLM's n): one engine request each, one Triton response stream
     logprobs_output: bool = False   # the logprobs output was asked for (return_logprobs, or logprobs: N)
 
 
@@ -69,10 +69,21 @@ class AbortRequest:
     token: str
 
 
+SCALAR_SHAPES = ((1,), (1, 1))   # vllm_backend's scalar, and TensorRT-LLM's (a batch dimension of 1 first)
+
+
 def scalar(name: str, arr: np.ndarray):
-    if arr.size != 1:
-        raise RequestError(f"{name}: expected exactly one value, got shape {list(arr.shape)}")
+    """The one value of a scalar input, shaped [1] or [1, 1]; any other shape is an error naming the input."""
+    if arr.shape not in SCALAR_SHAPES:
+        raise RequestError(f"{name}: expected one value, shaped [1] or [1, 1], got shape {list(arr.shape)}")
     return arr.reshape(-1)[0]
+
+
+def list_values(name: str, arr: np.ndarray) -> np.ndarray:
+    """The values of a list input (input_ids, stop_words), shaped [n] or [1, n] (a batch dimension of 1 first)."""
+    if arr.ndim == 2 and arr.shape[0] == 1 or arr.ndim == 1:
+        return arr.reshape(-1)
+    raise RequestError(f"{name}: expected a list of values, shaped [n] or [1, n], got shape {list(arr.shape)}")
 
 
 def text_value(name: str, value, max_bytes: int | None = None) -> str:
@@ -237,7 +248,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
         raise RequestError(f"beam_width: only 1 is supported, got {int(scalar('beam_width', bw))}")
     sw = get("stop_words")
     if sw is not None:
-        tensors["stop"] = [text_value("stop_words", v) for v in sw.reshape(-1)]
+        tensors["stop"] = [text_value("stop_words", v) for v in list_values("stop_words", sw)]
     _merge(merged, origin, tensors, "an input tensor")
     for name in FLAG_INPUTS:
         arr = get(name)
@@ -257,10 +268,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
     if req.return_abort_token and not req.stream:
         raise RequestError("return_abort_token: needs stream true (the token comes in a response of its own, "
                            "before the first token)")
-    req.n = merged.pop("n", 1)
-    if req.n > 1 and not req.stream:
-        raise RequestError(f"n: {req.n} choices need stream true (each response carries its choice's "
-                           "sequence_index)")
+    req.n = merged.pop("n", 1)   # n > 1 without stream: each choice's one (final) response, with its sequence_index
     req.sampling = merged
 
     text = get("text_input")
@@ -272,7 +280,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
     if ids is not None:
         if ids.dtype.kind not in "iu":
             raise RequestError(f"input_ids: expected integer ids, got dtype {ids.dtype}")
-        req.input_ids = [int(v) for v in ids.reshape(-1)]
+        req.input_ids = [int(v) for v in list_values("input_ids", ids)]
     if req.text is None and req.input_ids is None:
         raise RequestError("text_input or input_ids is required")
     if req.input_ids is None and req.text == "":

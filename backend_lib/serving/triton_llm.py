@@ -119,9 +119,18 @@ class RequestState:
 class TritonLLMModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
-        """The I/O of every LLM model comes from the schema table; config.pbtxt holds what an operator edits."""
+        """The I/O of every LLM model comes from the schema table; config.pbtxt holds what an operator edits,
+        max_batch_size included: 0 (the default) takes vllm_backend's tensor shapes (a scalar is [1]), 1 takes
+        TensorRT-LLM's (a batch dimension first: a scalar is [1, 1], as Triton's OpenAI frontend sends to a
+        model whose backend is not vllm). Triton checks every input's rank against the config, so one model
+        takes one of the two; the engine batches requests itself, so no other value means anything."""
         declare(auto_complete_model_config, LLM_INPUTS, LLM_OUTPUTS)
-        auto_complete_model_config.set_max_batch_size(0)
+        batch = auto_complete_model_config.as_dict().get("max_batch_size", 0)
+        if batch not in (0, 1):
+            raise ValueError(f"max_batch_size {batch}: an LLM model takes 0 (inputs shaped as vllm_backend's, a "
+                             "scalar [1]) or 1 (TensorRT-LLM's, a scalar [1, 1]); the engine batches requests "
+                             "itself")
+        auto_complete_model_config.set_max_batch_size(batch)
         auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
         return auto_complete_model_config
 
@@ -138,6 +147,7 @@ class TritonLLMModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(f"{self.name}: model_transaction_policy.decoupled must be true")
+        self.batched = model_config.get("max_batch_size", 0) > 0   # TensorRT-LLM shapes: outputs get [1, ...]
         cfg = engine_config_from_args(args)
         self.cfg = cfg
         log.info("%s: loading %s on %s (%s KV cache)", self.name, cfg.checkpoint, cfg.device, cfg.kv_cache)
@@ -488,6 +498,8 @@ class TritonLLMModel:
         pb = self.pb
         if state.group is not None:
             arrays = {**arrays, "sequence_index": np.array([state.index], dtype=np.int32)}
+        if self.batched:   # max_batch_size 1: every output has the batch dimension first
+            arrays = {name: arr[np.newaxis] for name, arr in arrays.items()}
         tensors = [pb.Tensor(name, arr) for name, arr in arrays.items()]
         state.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
 
