@@ -169,6 +169,52 @@ def test_every_flag_changes_the_request_as_tensor_and_as_parameter(flag):
 @pytest.mark.parametrize("name", [f.name for f in LLM_INPUT.values() if f.role == "sampling"])
 def test_every_sampling_tensor_changes_the_request(name):
     f = LLM_INPUT[name]
-    value = {"max_tokens": 9, "min_tokens": 2, "min_length": 2, "top_k": 5, "seed": 7}.get(name, 0.5)
+    value = {"max_tokens": 9, "min_tokens": 2, "min_length": 2, "top_k": 5, "seed": 7, "random_seed": 7,
+             "num_return_sequences": 3}.get(name, 0.5)
     arr = np.array([value], dtype=f.np_dtype)
     assert _parse(**{name: arr}) != _baseline(), f"input tensor {name} changed nothing: dropped"
+
+
+def _strings(*values):
+    return np.array([v.encode() for v in values], dtype=object)
+
+
+def test_trt_llm_names_mean_what_vllm_names_mean():
+    """random_seed is seed, num_return_sequences is n, the bad_words tensor is bad_words, and TensorRT-LLM's
+    guided decoding inputs are structured_outputs: the same request as the vLLM spelling, shaped [1] or
+    [1, 1] (TensorRT-LLM clients send a batch dimension)."""
+    same = [
+        (dict(random_seed=np.array([7], dtype=np.uint64)), {"seed": 7}),
+        (dict(random_seed=np.array([[7]], dtype=np.uint64)), {"seed": 7}),
+        (dict(num_return_sequences=np.array([3], dtype=np.int32)), {"n": 3}),
+        (dict(bad_words=_strings("no", "never")), {"bad_words": ["no", "never"]}),
+        (dict(bad_words=np.array([[b"no", b"never"]], dtype=object)), {"bad_words": ["no", "never"]}),
+        (dict(guided_decoding_guide_type=_strings("json")), {"structured_outputs": {"json_object": True}}),
+        (dict(guided_decoding_guide_type=_strings("regex"), guided_decoding_guide=_strings("[ab]+")),
+         {"structured_outputs": {"regex": "[ab]+"}}),
+        (dict(guided_decoding_guide_type=np.array([[b"json_schema"]], dtype=object),
+              guided_decoding_guide=np.array([[b'{"type": "object"}']], dtype=object)),
+         {"structured_outputs": {"json": {"type": "object"}}}),
+    ]
+    for tensors, sampling in same:
+        assert _parse(**tensors) == _parse(sampling=sampling) != _baseline(), tensors
+
+
+@pytest.mark.parametrize("tensors, field", [
+    (dict(random_seed=np.array([7], dtype=np.uint64), seed=np.array([8], dtype=np.uint64)), "seed"),
+    (dict(num_return_sequences=np.array([17], dtype=np.int32)), "num_return_sequences"),
+    (dict(num_return_sequences=np.array([0], dtype=np.int32)), "num_return_sequences"),
+    (dict(guided_decoding_guide_type=_strings("ebnf_grammar"), guided_decoding_guide=_strings("root ::= x")),
+     "guided_decoding_guide_type"),
+    (dict(guided_decoding_guide=_strings("[ab]+")), "guided_decoding_guide"),
+    (dict(guided_decoding_guide_type=_strings("regex")), "guided_decoding_guide"),
+    (dict(guided_decoding_guide_type=_strings("json_schema"), guided_decoding_guide=_strings("{not json")),
+     "guided_decoding_guide"),
+    (dict(guided_decoding_guide_type=_strings("json"), guided_decoding_guide=_strings("{}")),
+     "guided_decoding_guide"),
+    (dict(bad_words=np.array([[b"a"], [b"b"]], dtype=object)), "bad_words"),
+])
+def test_trt_llm_inputs_refused_name_the_input(tensors, field):
+    with pytest.raises(RequestError) as e:
+        _parse(**tensors)
+    assert field in str(e.value)

@@ -98,7 +98,8 @@ def test_inputs_of_any_other_shape_are_refused_naming_the_input_and_its_shape(na
 def test_every_sampling_input_reaches_the_sampling_fields_with_its_schema_type():
     values = {"max_tokens": 7, "min_tokens": 1, "top_k": 3, "temperature": 0.5, "top_p": 0.75,
               "presence_penalty": 0.25, "frequency_penalty": 0.5, "repetition_penalty": 1.5, "seed": 11}
-    assert set(values) | {"min_length"} == set(schema.SAMPLING_INPUTS)   # min_length: TRT-LLM's min_tokens
+    # TRT-LLM's names: min_length is min_tokens, random_seed seed, num_return_sequences n (tests/test_field_walk.py)
+    assert set(values) | {"min_length", "random_seed", "num_return_sequences"} == set(schema.SAMPLING_INPUTS)
     tensors = {t.name(): t for t in build_inputs("hi", stream=False, **values)}
     for name in values:   # the client sends the schema's wire type
         assert tensors[name].datatype() == schema.LLM_INPUT[name].wire_type

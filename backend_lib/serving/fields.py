@@ -27,7 +27,7 @@ DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "fields.md"
 # checks this covers exactly what the parser accepts, so a new key cannot go undocumented.
 SAMPLING_DOCS: dict[str, str] = {
     "n": "choices of one prompt, 1..16 (one shared prefill; choice j seeded seed + j; each response carries "
-         "`sequence_index`)",
+         "`sequence_index`; without stream, one whole response per choice)",
     "max_tokens": "tokens to generate at most; beyond the context left after the prompt: an error (no clamp)",
     "min_tokens": "tokens before EOS / stop ids may end the sequence",
     "temperature": "softmax temperature; below 1e-5: greedy",
@@ -52,8 +52,9 @@ SAMPLING_DOCS: dict[str, str] = {
     "priority": "with the model parameter `scheduling_policy: priority`: lower first, preempts higher values",
     "lora_name": "the LoRA adapter to run with (docs/lora.md)",
     "lora_path": "with `allow_runtime_lora`: where `lora_name` is loaded from on first use",
-    "structured_outputs": "vLLM's StructuredOutputsParams: one of json, regex, choice, grammar, json_object; "
-                          "options disable_any_whitespace, whitespace_pattern (docs/structured.md)",
+    "structured_outputs": "vLLM's StructuredOutputsParams: one of json, regex, choice, grammar, json_object, "
+                          "or this project's tool_calls; options disable_any_whitespace, whitespace_pattern "
+                          "(JSON whitespace is bounded by default: docs/structured.md)",
     "guided_decoding": "vLLM's older name of structured_outputs",
     "guided_json": "structured_outputs.json (vLLM's older key)",
     "guided_regex": "structured_outputs.regex (vLLM's older key)",
@@ -91,7 +92,6 @@ TENSOR_REFUSED: dict[str, str] = {
     # TensorRT-LLM backend (ensemble / tensorrt_llm_bls)
     "decoder_text_input": "encoder-decoder models only",
     "image_input": "Qwen3 text models take no images",
-    "bad_words": "TensorRT-LLM's tensor; send vLLM's bad_words in sampling_parameters",
     "end_id": "the checkpoint's EOS ids end generation; add others with stop_token_ids",
     "pad_id": "responses are not padded",
     "length_penalty": "beam search only (beam_width is 1)",
@@ -108,10 +108,6 @@ TENSOR_REFUSED: dict[str, str] = {
     "lora_task_id": "TensorRT-LLM's LoRA cache; use lora_name (docs/lora.md)",
     "lora_weights": "TensorRT-LLM's LoRA cache; use lora_name (docs/lora.md)",
     "lora_config": "TensorRT-LLM's LoRA cache; use lora_name (docs/lora.md)",
-    "random_seed": "TensorRT-LLM's name; send seed",
-    "num_return_sequences": "TensorRT-LLM's name; send n in sampling_parameters",
-    "guided_decoding_guide_type": "TensorRT-LLM's guided decoding; send structured_outputs in sampling_parameters",
-    "guided_decoding_guide": "as guided_decoding_guide_type",
 }
 
 

@@ -18,7 +18,11 @@ from ..sampling.params import RequestError, check_keys
 from ..sampling.structured import STRUCTURED_KEYS
 from .schema import FLAG_INPUTS, LLM_INPUT, LLM_INPUTS, SAMPLING_INPUTS
 
-ALIASES = {"min_length": "min_tokens"}   # TensorRT-LLM tensor names -> SamplingParams fields
+# TensorRT-LLM tensor names -> SamplingParams fields
+ALIASES = {"min_length": "min_tokens", "random_seed": "seed", "num_return_sequences": "n"}
+# TensorRT-LLM's guided_decoding_guide_type -> vLLM's structured_outputs key (ebnf_grammar is xgrammar's EBNF,
+# not the grammar engine's Lark: refused, as structural_tag)
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex"}
 _FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                 "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
                 "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
@@ -193,6 +197,30 @@ def _merge(merged: dict, origin: dict, values: dict, where: str) -> None:
         origin[k] = where
 
 
+def _guide(kind_arr, guide_arr) -> dict | None:
+    """TensorRT-LLM's guided decoding inputs as vLLM's structured_outputs."""
+    if kind_arr is None:
+        if guide_arr is not None:
+            raise RequestError("guided_decoding_guide: needs guided_decoding_guide_type")
+        return None
+    kind = text_value("guided_decoding_guide_type", scalar("guided_decoding_guide_type", kind_arr))
+    if kind not in GUIDE_TYPES:
+        raise RequestError(f"guided_decoding_guide_type: {kind[:40]!r} is not supported (json, json_schema or regex; "
+                           "send other grammars as structured_outputs.grammar)")
+    if kind == "json":
+        if guide_arr is not None:
+            raise RequestError("guided_decoding_guide: guide type json takes no guide (any JSON object)")
+        return {"json_object": True}
+    if guide_arr is None:
+        raise RequestError(f"guided_decoding_guide: guide type {kind} needs the guide")
+    guide = text_value("guided_decoding_guide", scalar("guided_decoding_guide", guide_arr))
+    if kind == "json_schema":   # parsed here so that a bad document names this input
+        guide = loads(guide, "guided_decoding_guide")
+        if not isinstance(guide, dict):
+            raise RequestError("guided_decoding_guide: a json_schema guide must be a JSON object")
+    return {GUIDE_TYPES[kind]: guide}
+
+
 def parse_abort(inputs: dict[str, np.ndarray], parameters_json: str | None) -> AbortRequest | None:
     """The abort this request asks for (None when it carries no abort input); an abort carries
     abort_request_id and abort_token and nothing else."""
@@ -249,6 +277,14 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
     sw = get("stop_words")
     if sw is not None:
         tensors["stop"] = [text_value("stop_words", v) for v in list_values("stop_words", sw)]
+    bad = get("bad_words")
+    if bad is not None:
+        tensors["bad_words"] = [text_value("bad_words", v) for v in list_values("bad_words", bad)]
+    if "n" in tensors and not 1 <= tensors["n"] <= MAX_N:
+        raise RequestError(f"num_return_sequences: must be an integer in [1, {MAX_N}], got {tensors['n']}")
+    guide = _guide(get("guided_decoding_guide_type"), get("guided_decoding_guide"))
+    if guide is not None:
+        tensors["structured_outputs"] = guide
     _merge(merged, origin, tensors, "an input tensor")
     for name in FLAG_INPUTS:
         arr = get(name)

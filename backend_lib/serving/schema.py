@@ -84,6 +84,13 @@ LLM_INPUTS: tuple[Field, ...] = (
     _f("return_num_cached_tokens", "TYPE_BOOL", [1], "flag",
        "add num_cached_tokens (the prompt tokens served from the prefix cache)"),
     _f("min_length", "TYPE_INT32", [1], "sampling", "TensorRT-LLM's name for min_tokens"),
+    _f("random_seed", "TYPE_UINT64", [1], "sampling", "TensorRT-LLM's name for seed"),
+    _f("num_return_sequences", "TYPE_INT32", [1], "sampling", "TensorRT-LLM's name for n (choices, 1..16)"),
+    _f("bad_words", "TYPE_STRING", [-1], "stop", "words never generated (vLLM's bad_words; TensorRT-LLM's tensor)"),
+    _f("guided_decoding_guide_type", "TYPE_STRING", [1], "guide",
+       "TensorRT-LLM's guided decoding: json, json_schema or regex (structured_outputs json_object, json, regex)"),
+    _f("guided_decoding_guide", "TYPE_STRING", [1], "guide",
+       "the schema (json_schema) or the regex (regex) of guided_decoding_guide_type"),
     _f("return_abort_token", "TYPE_BOOL", [1], "flag",
        "streaming: the first response (sent at admission, before any token) carries abort_token, the "
        "capability that aborts this request"),
