@@ -10,7 +10,8 @@ from backend_lib.sampling.structured import StructuredSpec
 from openai_frontend.errors import APIError
 from openai_frontend.formats import ChatFormat, TokenNames
 from openai_frontend.gateway import Delta
-from openai_frontend.params import CHAT_FIELDS, COMPLETION_FIELDS, parse_chat, parse_completion
+from openai_frontend.params import parse_chat, parse_completion
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 MSGS = [{"role": "user", "content": "hi"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -65,7 +66,8 @@ def test_reasoning_off_thinking_off_and_include_reasoning_false():
 
 
 def test_every_field_outside_the_schema_is_refused_by_name():
-    for parse, known in ((parse_chat, CHAT_FIELDS), (parse_completion, COMPLETION_FIELDS)):
+    for parse, known in ((parse_chat, ChatCompletionRequest.model_fields),
+                         (parse_completion, CompletionRequest.model_fields)):
         base = {"model": "m", "messages": MSGS} if parse is parse_chat else {"model": "m", "prompt": "x"}
         for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort",
                      "verbosity", "documents", "chat_template", "mm_processor_kwargs", "kv_transfer_params"):
