@@ -243,12 +243,16 @@ def ranged(name: str, lo=None, hi=None):
     r = RANGES[name]
     lo = r.lo if lo is None else lo
     hi = r.hi if hi is None else hi
-    bounds = {("gt" if r.lo_open and lo == r.lo else "ge"): lo}
+    opened = r.lo_open and lo == r.lo
+    bounds = {("gt" if opened else "ge"): lo}
+    schema = {"type": "integer" if r.kind is int else "number", ("exclusiveMinimum" if opened else "minimum"): lo}
     if hi is not None:
         bounds["le"] = hi
+        schema["maximum"] = hi
+    # the schema written out: pydantic cannot write a bound past int64 (seed's 2**64 - 1) as JSON schema's maximum
     if r.kind is int:
-        return Annotated[StrictInt, BeforeValidator(_whole), Field(**bounds)]
-    return Annotated[StrictFloat, Field(allow_inf_nan=False, **bounds)]
+        return Annotated[StrictInt, BeforeValidator(_whole), Field(**bounds), WithJsonSchema(schema)]
+    return Annotated[StrictFloat, Field(allow_inf_nan=False, **bounds), WithJsonSchema(schema)]
 
 
 def _same(value, allowed) -> bool:

@@ -148,3 +148,87 @@ def test_fuzzed_application_fields_are_a_generation_or_a_400(fields):
     if gen.tools is not None:
         gen.tools.grammar()
         json.dumps(gen.tools.tools)
+
+
+def _openapi() -> dict:
+    from fastapi.testclient import TestClient
+
+    from openai_frontend.app import create_app
+
+    with TestClient(create_app("127.0.0.1:1")) as client:   # the schema needs no Triton
+        assert client.get("/docs").status_code == 200
+        return client.get("/openapi.json").json()
+
+
+def test_openapi_lists_every_field_of_every_body_with_its_type_and_range():
+    from openai_frontend.protocol import BODIES
+
+    doc = _openapi()
+    schemas = doc["components"]["schemas"]
+    bodies = {path: op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+              for path, ops in doc["paths"].items() for method, op in ops.items() if method == "post"}
+    assert bodies == {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
+                      "/v1/responses": "CreateResponseRequest", "/tokenize": "TokenizeRequest",
+                      "/detokenize": "DetokenizeRequest", "/v1/load_lora_adapter": "LoadLoRAAdapterRequest",
+                      "/v1/unload_lora_adapter": "UnloadLoRAAdapterRequest"}
+    for model in BODIES:
+        schema = schemas[model.__name__]
+        assert schema["additionalProperties"] is False
+        names = {f.alias or n for n, f in model.model_fields.items()}
+        assert set(schema["properties"]) == names, model
+        for name, prop in schema["properties"].items():   # what it does, or that it is refused
+            assert prop.get("description"), (model, name)
+
+    chat = schemas["ChatCompletionRequest"]["properties"]
+
+    def variant(prop):   # the non-null member of an optional field
+        return next((v for v in prop.get("anyOf", [prop]) if v.get("type") != "null"), prop)
+
+    assert variant(chat["n"]) == {"type": "integer", "minimum": 1, "maximum": 16}
+    assert variant(chat["temperature"]) == {"type": "number", "minimum": 0.0, "maximum": 1e4}
+    assert variant(chat["top_p"])["exclusiveMinimum"] == 0.0 and variant(chat["top_p"])["maximum"] == 1.0
+    assert variant(chat["seed"])["maximum"] == 2**64 - 1
+    assert variant(chat["max_tokens"]) == {"type": "integer", "minimum": 1, "maximum": 2**31 - 1}
+    assert variant(chat["top_logprobs"])["maximum"] == 20 and variant(chat["prompt_logprobs"])["maximum"] == 20
+    assert variant(chat["priority"]) == {"type": "integer", "minimum": -2**31, "maximum": 2**31 - 1}
+    bias = variant(chat["logit_bias"])
+    assert bias["maxProperties"] == 1024 and bias["additionalProperties"] == {
+        "type": "number", "minimum": -100.0, "maximum": 100.0}
+    assert variant(chat["stream_options"])["$ref"].endswith("/StreamOptions")
+    assert set(schemas["StreamOptions"]["properties"]) == {"include_usage", "continuous_usage_stats"}
+    assert variant(chat["structured_outputs"])["$ref"].endswith("/StructuredOutputs")
+    assert {"json", "regex", "choice", "grammar", "json_object"} <= set(schemas["StructuredOutputs"]["properties"])
+    assert schemas["ResponseFormat"]["properties"]["type"]["enum"] == ["text", "json_object", "json_schema"]
+    assert chat["best_of"]["enum"] == [1, None] and chat["use_beam_search"]["enum"] == [False, None]
+    assert chat["modalities"]["enum"] == [["text"], None] and "Only" in chat["modalities"]["description"]
+    assert schemas["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
+    assert set(schemas["ChatCompletionRequest"]["required"]) == {"model", "messages"}
+    completion = schemas["CompletionRequest"]["properties"]
+    assert variant(completion["logprobs"]) == {"type": "integer", "minimum": 0, "maximum": 20}
+    assert completion["suffix"]["enum"] == ["", None]
+    responses = schemas["CreateResponseRequest"]["properties"]
+    assert responses["background"]["enum"] == [False, None] and responses["conversation"]["type"] == "null"
+    assert variant(schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]) == {
+        "type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+
+
+def test_a_body_is_read_as_strict_json_whatever_its_content_type():
+    from fastapi.testclient import TestClient
+
+    from openai_frontend.app import create_app
+
+    with TestClient(create_app("127.0.0.1:1")) as client:
+        # curl -d sends application/x-www-form-urlencoded: still JSON to the front, validated before Triton
+        r = client.post("/v1/completions", content=b'{"model": "m", "prompt": "x", "stream": 7}',
+                        headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400 and r.json() == {"error": {
+            "message": "stream: must be a boolean, got 7", "type": "invalid_request_error", "param": "stream",
+            "code": None}}
+        r = client.post("/v1/chat/completions", content=b'{"model": "m", "messages": [{"role": "user", "content": '
+                                                         b'"x"}, {"role": "user", "content": 3}]}')
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert r.json()["error"]["message"].startswith("messages[1].content: ")
+        r = client.post("/tokenize", content=b'{"model": "m", "prompt": "x", "prompt": "y"}')
+        assert r.status_code == 400 and "duplicate key 'prompt'" in r.json()["error"]["message"]
+        r = client.post("/v1/load_lora_adapter", content=b'[]')
+        assert r.status_code == 400 and r.json()["error"]["message"] == "the request body must be a JSON object"
