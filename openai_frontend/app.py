@@ -15,6 +15,7 @@ from .formats import ChatFormat, CompletionFormat, TokenNames
 from .gateway import TritonGateway
 from .generation import ClientGone, respond
 from .lora import LoraAdapters
+from .metrics import CountRequests, FrontMetrics, default_triton_metrics_url
 from .params import chat_generation, completion_generation
 from .playground import mount_playground
 from .protocol import (BODIES, ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
@@ -108,12 +109,14 @@ def _error_handlers(app: FastAPI) -> None:
 
 def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, tokenizer=None,
                reasoning: bool = True, responses_store: ResponseStore | None = None,
-               loras: LoraAdapters | None = None) -> FastAPI:
+               loras: LoraAdapters | None = None, triton_metrics_url: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over the Triton server at `triton_url` (gRPC).
     tokenizer: a backend_lib Tokenizer for logprob token strings (optional).
     reasoning: split Qwen3's think block into reasoning_content (False: the raw text is the content).
     responses_store: where /v1/responses keeps responses (default: ResponseStore()'s bounds).
-    loras: the LoRA adapters served as models (openai_frontend/lora.py; default: none until loaded at run time)."""
+    loras: the LoRA adapters served as models (openai_frontend/lora.py; default: none until loaded at run time).
+    triton_metrics_url: Triton's metrics page, appended to /metrics (default: the host of `triton_url`, port 8002;
+    "": none)."""
     gateway = TritonGateway(triton_url)
     if loras is not None:
         gateway.loras = loras
@@ -126,6 +129,14 @@ def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, t
     app = FastAPI(title="Qwen3 on Triton: OpenAI-compatible API", lifespan=lifespan)
     app.state.gateway = gateway
     _error_handlers(app)
+    metrics = FrontMetrics(default_triton_metrics_url(triton_url) if triton_metrics_url is None
+                           else triton_metrics_url)
+    app.add_middleware(CountRequests, metrics=metrics)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus_metrics():
+        """Prometheus text: the front's request counters and latency histograms, then Triton's metrics."""
+        return await metrics.response()
 
     @app.get("/health")
     async def health():

@@ -232,3 +232,40 @@ def test_a_body_is_read_as_strict_json_whatever_its_content_type():
         assert r.status_code == 400 and "duplicate key 'prompt'" in r.json()["error"]["message"]
         r = client.post("/v1/load_lora_adapter", content=b'[]')
         assert r.status_code == 400 and r.json()["error"]["message"] == "the request body must be a JSON object"
+
+
+def test_metrics_count_requests_and_survive_a_triton_that_does_not_answer():
+    import socket
+    import time
+
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from openai_frontend.app import create_app
+    from openai_frontend.metrics import default_triton_metrics_url
+
+    assert default_triton_metrics_url("localhost:8001") == "http://localhost:8002/metrics"
+    assert default_triton_metrics_url("10.0.0.5:9001") == "http://10.0.0.5:8002/metrics"
+    silent = socket.socket()   # accepts connections (the backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        app = create_app("127.0.0.1:1", triton_metrics_url=f"http://127.0.0.1:{silent.getsockname()[1]}/metrics")
+        with TestClient(app) as client:
+            for _ in range(3):
+                assert client.post("/v1/completions", content=b'{"model": "m", "bogus": 1}').status_code == 400
+            assert client.get("/playground/playground.js").status_code == 200
+            start = time.monotonic()
+            r = client.get("/metrics")
+            assert r.status_code == 200 and time.monotonic() - start < 2.0
+    finally:
+        silent.close()
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "# Triton metrics unavailable from http://127.0.0.1:" in r.text
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    counts = {(s.labels["endpoint"], s.labels["status"]): s.value for s in families["openai_frontend_requests"].samples}
+    assert counts == {("/v1/completions", "400"): 3, ("/playground", "200"): 1}
+    durations = {s.labels["endpoint"]: s.value for s in families["openai_frontend_request_duration_seconds"].samples
+                 if s.name.endswith("_count")}
+    assert durations == {"/v1/completions": 3, "/playground": 1}
+    assert "openai_frontend_time_to_first_token_seconds" in families   # no stream yet: no samples
