@@ -1,4 +1,5 @@
-"""python -m openai_frontend [--triton-url localhost:8001] [--host 127.0.0.1] [--port 9000] [--api-key KEY]
+"""python -m openai_frontend [--triton-url localhost:8001] [--triton-metrics-url URL] [--host 127.0.0.1] [--port 9000]
+[--api-key KEY]
 [--reasoning-parser qwen3|none] [--responses-store-count N] [--responses-store-mib MIB]
 [--lora-modules name=path ...] [--lora-base-model MODEL]"""
 from __future__ import annotations
@@ -19,6 +20,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m openai_frontend",
                                  description="OpenAI-compatible HTTP front over the Triton LLM models.")
     ap.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC endpoint")
+    ap.add_argument("--triton-metrics-url", default=None,
+                    help="Triton's metrics page, appended to the front's /metrics (default: http://<triton host>:8002"
+                         "/metrics; '' for none)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--api-key", default=os.environ.get("QWEN3_API_KEY") or None,
@@ -55,7 +59,8 @@ def main(argv=None) -> int:
     except (ValueError, RequestError) as exc:
         ap.error(str(exc))
     app = create_app(args.triton_url, api_key=args.api_key, tokenizer=tokenizer,
-                     reasoning=args.reasoning_parser == "qwen3", responses_store=store, loras=loras)
+                     reasoning=args.reasoning_parser == "qwen3", responses_store=store, loras=loras,
+                     triton_metrics_url=args.triton_metrics_url)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     BoundedShutdownServer(config, app.state.gateway).run()

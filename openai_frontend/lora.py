@@ -15,9 +15,7 @@ from backend_lib.lora.registry import check_name
 from backend_lib.sampling.errors import RequestError
 from client.triton_inputs import build_inputs
 from .errors import APIError, bad_request
-
-LOAD_FIELDS = {"lora_name", "lora_path", "base_model_name"}
-UNLOAD_FIELDS = {"lora_name", "lora_int_id"}
+from .protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 
 def parse_lora_modules_arg(values: list[str] | None) -> dict[str, tuple[str, str | None]]:
@@ -86,27 +84,8 @@ class LoraAdapters:
         return [{"id": name, "object": "model", "created": 0, "owned_by": "triton", "root": path,
                  "parent": await self._parent(gateway, parent)} for name, (path, parent) in self._adapters.items()]
 
-    @staticmethod
-    def _fields(body, known: set[str]) -> dict:
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
-        unknown = sorted(set(body) - known)
-        if unknown:
-            raise bad_request(f"{unknown[0]}: unknown field (known: {', '.join(sorted(known))})", unknown[0])
-        name = body.get("lora_name")
-        try:
-            check_name(name)
-        except RequestError as exc:
-            raise bad_request(str(exc), "lora_name") from None
-        return body
-
-    async def load(self, gateway, body) -> str:
-        body = self._fields(body, LOAD_FIELDS)
-        name, path, parent = body["lora_name"], body.get("lora_path"), body.get("base_model_name")
-        if not isinstance(path, str) or not path:
-            raise bad_request("lora_path: a non-empty string is required", "lora_path")
-        if parent is not None and (not isinstance(parent, str) or not parent):
-            raise bad_request("base_model_name: must be a model name", "base_model_name")
+    async def load(self, gateway, body: LoadLoRAAdapterRequest) -> str:
+        name, path, parent = body.lora_name, body.lora_path, body.base_model_name
         if name in self._adapters:
             raise bad_request(f"lora_name: the LoRA adapter '{name}' has already been loaded", "lora_name")
         target = await self._parent(gateway, parent)
@@ -124,9 +103,8 @@ class LoraAdapters:
         self._adapters[name] = (path, parent)
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    def unload(self, body) -> str:
-        body = self._fields(body, UNLOAD_FIELDS)
-        name = body["lora_name"]
+    def unload(self, body: UnloadLoRAAdapterRequest) -> str:
+        name = body.lora_name
         if name not in self._adapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="not_found")
         del self._adapters[name]

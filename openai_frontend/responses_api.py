@@ -24,7 +24,8 @@ from .errors import APIError
 from .gateway import Delta, TritonGateway
 from .generation import SSEResponse, Tally, until_disconnect
 from .reasoning import Qwen3ReasoningParser
-from .responses_params import ResponsesRequest, parse_responses, renamed
+from .protocol import CreateResponseRequest, json_body, request_body
+from .responses_params import ResponsesRequest, renamed, responses_request
 from .responses_store import ResponseStore
 from .tool_calls import ToolCallStream
 
@@ -213,9 +214,8 @@ async def _prepend(first: Delta, rest):
             yield delta
 
 
-def responses_routes(gateway: TritonGateway, store: ResponseStore, read_json, reasoning: bool,
-                     dependencies: list) -> APIRouter:
-    """read_json(request): the body as JSON (the app's depth-checked reader); dependencies: the API-key check."""
+def responses_routes(gateway: TritonGateway, store: ResponseStore, reasoning: bool, dependencies: list) -> APIRouter:
+    """dependencies: the API-key check."""
     router = APIRouter(prefix="/v1", dependencies=dependencies)
 
     def history_of(response_id: str) -> list[dict]:
@@ -255,9 +255,9 @@ def responses_routes(gateway: TritonGateway, store: ResponseStore, read_json, re
         keep(run)
         return run.response
 
-    @router.post("/responses")
-    async def create(request: Request):
-        req = parse_responses(await read_json(request), history_of)
+    @router.post("/responses", openapi_extra=request_body(CreateResponseRequest))
+    async def create(request: Request, body: CreateResponseRequest = json_body(CreateResponseRequest)):
+        req = responses_request(body, history_of)
         gen = req.gen
         try:
             await gateway.loras.route(gateway, gen)   # a LoRA adapter's name: its parent model, with the adapter

@@ -2,24 +2,18 @@
 
 Token ids come from the tokenizer model (qwen3_tokenizer: the models' own tokenizer and chat template);
 text comes from the front's tokenizer (--tokenizer) or, without one, the tokenizer of the model's own
-`checkpoint` / `tokenizer` parameter, loaded once per model. Fields outside vLLM's request shapes are a
-400 naming them."""
+`checkpoint` / `tokenizer` parameter, loaded once per model. The bodies are protocol.TokenizeRequest and
+DetokenizeRequest (vLLM's request shapes; any other field is a 400 naming it)."""
 from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from backend_lib.sampling.params import INT32_MAX
 from .errors import bad_request, unavailable
 from .gateway import TritonGateway
-from .params import _boolean, _enable_thinking, _messages, _model, _token_id, known_fields
-from .tools import parse_tools
-
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                   "chat_template_kwargs", "tools", "return_token_strs", "continue_final_message"}
-DETOKENIZE_FIELDS = {"model", "tokens"}
-MAX_TOKENS = 1 << 20
+from .params import chat_messages, enable_thinking
+from .protocol import DetokenizeRequest, TokenizeRequest, json_body, request_body
 
 
 class ModelTokenizers:
@@ -52,57 +46,34 @@ def _load(where: str):
     return Tokenizer(resolve(where, "tokenizer"))
 
 
-def tokenize_routes(gateway: TritonGateway, tokenizers: ModelTokenizers, json_body, dependencies) -> APIRouter:
+def tokenize_routes(gateway: TritonGateway, tokenizers: ModelTokenizers, dependencies) -> APIRouter:
     router = APIRouter(dependencies=dependencies)
 
-    @router.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await json_body(request)
-        known_fields(body, TOKENIZE_FIELDS)
-        model = _model(body)
-        if (body.get("prompt") is None) == (body.get("messages") is None):
-            raise bad_request("prompt or messages: send one of them", "prompt")
-        _boolean(body, "add_special_tokens")   # Qwen3 adds no special tokens to a prompt either way
-        strs = _boolean(body, "return_token_strs")
-        await gateway.require_llm(model)
-        if body.get("prompt") is not None:
-            for name in ("add_generation_prompt", "chat_template_kwargs", "tools", "continue_final_message"):
-                if body.get(name) is not None:
-                    raise bad_request(f"{name}: only with messages", name)
-            prompt = body["prompt"]
-            if not isinstance(prompt, str) or not prompt:
-                raise bad_request("prompt must be a non-empty string", "prompt")
-            ids = await gateway.text_input_ids(prompt)
+    @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
+    async def tokenize(body: TokenizeRequest = json_body(TokenizeRequest)):
+        await gateway.require_llm(body.model)
+        if body.prompt is not None:
+            ids = await gateway.text_input_ids(body.prompt)
         else:
-            if _boolean(body, "continue_final_message"):
-                raise bad_request("continue_final_message: only false is supported", "continue_final_message")
-            gen = _boolean(body, "add_generation_prompt")
-            tools = parse_tools(body)
-            ids = await gateway.chat_input_ids(_messages(body), _enable_thinking(body),
-                                               tools.tools if tools is not None else None, gen is not False)
-        params = await gateway.model_parameters(model)
+            tools = [t.model_dump(exclude_unset=True) for t in body.tools] if body.tools else None
+            ids = await gateway.chat_input_ids(chat_messages(body.messages), enable_thinking(body.chat_template_kwargs),
+                                               tools, body.add_generation_prompt is not False)
+        params = await gateway.model_parameters(body.model)
         max_len = params.get("max_model_len")
         out = {"count": len(ids), "max_model_len": int(max_len) if max_len and max_len.isdigit() else None,
                "tokens": ids, "token_strs": None}
-        if strs:
-            tok = await tokenizers.get(model)
+        if body.return_token_strs:
+            tok = await tokenizers.get(body.model)
             out["token_strs"] = [tok.token_bytes[i].decode("utf-8", errors="replace") for i in ids]
         return out
 
-    @router.post("/detokenize")
-    async def detokenize(request: Request):
-        body = await json_body(request)
-        known_fields(body, DETOKENIZE_FIELDS)
-        model = _model(body)
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or len(ids) > MAX_TOKENS or not all(_token_id(i) for i in ids):
-            raise bad_request(f"tokens must be a list of at most {MAX_TOKENS} token ids, integers in [0, {INT32_MAX}]",
-                              "tokens")
-        await gateway.require_llm(model)
-        tok = await tokenizers.get(model)
-        bad = next((i for i in ids if i >= len(tok.token_bytes)), None)
+    @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize(body: DetokenizeRequest = json_body(DetokenizeRequest)):
+        await gateway.require_llm(body.model)
+        tok = await tokenizers.get(body.model)
+        bad = next((i for i in body.tokens if i >= len(tok.token_bytes)), None)
         if bad is not None:
             raise bad_request(f"tokens: {bad} is outside the vocabulary [0, {len(tok.token_bytes)})", "tokens")
-        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+        return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
 
     return router

@@ -45,7 +45,7 @@ if [ "${OPENAI_FRONT:-1}" != 0 ]; then
         (the OpenAI front, python -m openai_frontend; it lists the models once they are READY)
 MSG
     python -m openai_frontend --triton-url "127.0.0.1:$GRPC_PORT" --host "$BIND_ADDRESS" --port "$FRONT_PORT" \
-        --log-level warning &
+        --triton-metrics-url "http://127.0.0.1:$METRICS_PORT/metrics" --log-level warning &
     front=$!
     # The front lives as long as the server: after the exec below this shell's pid ($$) is the server's command.
     ( while kill -0 $$ 2>/dev/null && kill -0 "$front" 2>/dev/null; do sleep 1; done; kill "$front" 2>/dev/null ) &

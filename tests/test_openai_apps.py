@@ -10,7 +10,8 @@ from backend_lib.sampling.structured import StructuredSpec
 from openai_frontend.errors import APIError
 from openai_frontend.formats import ChatFormat, TokenNames
 from openai_frontend.gateway import Delta
-from openai_frontend.params import CHAT_FIELDS, COMPLETION_FIELDS, parse_chat, parse_completion
+from openai_frontend.params import parse_chat, parse_completion
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 MSGS = [{"role": "user", "content": "hi"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -65,7 +66,8 @@ def test_reasoning_off_thinking_off_and_include_reasoning_false():
 
 
 def test_every_field_outside_the_schema_is_refused_by_name():
-    for parse, known in ((parse_chat, CHAT_FIELDS), (parse_completion, COMPLETION_FIELDS)):
+    for parse, known in ((parse_chat, ChatCompletionRequest.model_fields),
+                         (parse_completion, CompletionRequest.model_fields)):
         base = {"model": "m", "messages": MSGS} if parse is parse_chat else {"model": "m", "prompt": "x"}
         for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort",
                      "verbosity", "documents", "chat_template", "mm_processor_kwargs", "kv_transfer_params"):
@@ -214,3 +216,124 @@ def test_forced_tool_calls_are_built_from_the_vocabulary_with_or_without_tool_ca
         content, calls = tool_calls.parse(r["text"])
         assert content is None and [c.name for c in calls] == ["get_weather"], r["text"]
         assert set(json.loads(calls[0].arguments)) == {"city"}
+
+
+def _openapi() -> dict:
+    from fastapi.testclient import TestClient
+
+    from openai_frontend.app import create_app
+
+    with TestClient(create_app("127.0.0.1:1")) as client:   # the schema needs no Triton
+        assert client.get("/docs").status_code == 200
+        return client.get("/openapi.json").json()
+
+
+def test_openapi_lists_every_field_of_every_body_with_its_type_and_range():
+    from openai_frontend.protocol import BODIES
+
+    doc = _openapi()
+    schemas = doc["components"]["schemas"]
+    bodies = {path: op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+              for path, ops in doc["paths"].items() for method, op in ops.items() if method == "post"}
+    assert bodies == {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
+                      "/v1/responses": "CreateResponseRequest", "/tokenize": "TokenizeRequest",
+                      "/detokenize": "DetokenizeRequest", "/v1/load_lora_adapter": "LoadLoRAAdapterRequest",
+                      "/v1/unload_lora_adapter": "UnloadLoRAAdapterRequest"}
+    for model in BODIES:
+        schema = schemas[model.__name__]
+        assert schema["additionalProperties"] is False
+        names = {f.alias or n for n, f in model.model_fields.items()}
+        assert set(schema["properties"]) == names, model
+        for name, prop in schema["properties"].items():   # what it does, or that it is refused
+            assert prop.get("description"), (model, name)
+
+    chat = schemas["ChatCompletionRequest"]["properties"]
+
+    def variant(prop):   # the non-null member of an optional field
+        return next((v for v in prop.get("anyOf", [prop]) if v.get("type") != "null"), prop)
+
+    assert variant(chat["n"]) == {"type": "integer", "minimum": 1, "maximum": 16}
+    assert variant(chat["temperature"]) == {"type": "number", "minimum": 0.0, "maximum": 1e4}
+    assert variant(chat["top_p"])["exclusiveMinimum"] == 0.0 and variant(chat["top_p"])["maximum"] == 1.0
+    assert variant(chat["seed"])["maximum"] == 2**64 - 1
+    assert variant(chat["max_tokens"]) == {"type": "integer", "minimum": 1, "maximum": 2**31 - 1}
+    assert variant(chat["top_logprobs"])["maximum"] == 20 and variant(chat["prompt_logprobs"])["maximum"] == 20
+    assert variant(chat["priority"]) == {"type": "integer", "minimum": -2**31, "maximum": 2**31 - 1}
+    bias = variant(chat["logit_bias"])
+    assert bias["maxProperties"] == 1024 and bias["additionalProperties"] == {
+        "type": "number", "minimum": -100.0, "maximum": 100.0}
+    assert variant(chat["stream_options"])["$ref"].endswith("/StreamOptions")
+    assert set(schemas["StreamOptions"]["properties"]) == {"include_usage", "continuous_usage_stats"}
+    assert variant(chat["structured_outputs"])["$ref"].endswith("/StructuredOutputs")
+    assert {"json", "regex", "choice", "grammar", "json_object"} <= set(schemas["StructuredOutputs"]["properties"])
+    assert schemas["ResponseFormat"]["properties"]["type"]["enum"] == ["text", "json_object", "json_schema"]
+    assert chat["best_of"]["enum"] == [1, None] and chat["use_beam_search"]["enum"] == [False, None]
+    assert chat["modalities"]["enum"] == [["text"], None] and "Only" in chat["modalities"]["description"]
+    assert schemas["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
+    assert set(schemas["ChatCompletionRequest"]["required"]) == {"model", "messages"}
+    completion = schemas["CompletionRequest"]["properties"]
+    assert variant(completion["logprobs"]) == {"type": "integer", "minimum": 0, "maximum": 20}
+    assert completion["suffix"]["enum"] == ["", None]
+    responses = schemas["CreateResponseRequest"]["properties"]
+    assert responses["background"]["enum"] == [False, None] and responses["conversation"]["type"] == "null"
+    assert variant(schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]) == {
+        "type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+
+
+def test_a_body_is_read_as_strict_json_whatever_its_content_type():
+    from fastapi.testclient import TestClient
+
+    from openai_frontend.app import create_app
+
+    with TestClient(create_app("127.0.0.1:1")) as client:
+        # curl -d sends application/x-www-form-urlencoded: still JSON to the front, validated before Triton
+        r = client.post("/v1/completions", content=b'{"model": "m", "prompt": "x", "stream": 7}',
+                        headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400 and r.json() == {"error": {
+            "message": "stream: must be a boolean, got 7", "type": "invalid_request_error", "param": "stream",
+            "code": None}}
+        r = client.post("/v1/chat/completions", content=b'{"model": "m", "messages": [{"role": "user", "content": '
+                                                         b'"x"}, {"role": "user", "content": 3}]}')
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert r.json()["error"]["message"].startswith("messages[1].content: ")
+        r = client.post("/tokenize", content=b'{"model": "m", "prompt": "x", "prompt": "y"}')
+        assert r.status_code == 400 and "duplicate key 'prompt'" in r.json()["error"]["message"]
+        r = client.post("/v1/load_lora_adapter", content=b'[]')
+        assert r.status_code == 400 and r.json()["error"]["message"] == "the request body must be a JSON object"
+
+
+def test_metrics_count_requests_and_survive_a_triton_that_does_not_answer():
+    import socket
+    import time
+
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from openai_frontend.app import create_app
+    from openai_frontend.metrics import default_triton_metrics_url
+
+    assert default_triton_metrics_url("localhost:8001") == "http://localhost:8002/metrics"
+    assert default_triton_metrics_url("10.0.0.5:9001") == "http://10.0.0.5:8002/metrics"
+    silent = socket.socket()   # accepts connections (the backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        app = create_app("127.0.0.1:1", triton_metrics_url=f"http://127.0.0.1:{silent.getsockname()[1]}/metrics")
+        with TestClient(app) as client:
+            for _ in range(3):
+                assert client.post("/v1/completions", content=b'{"model": "m", "bogus": 1}').status_code == 400
+            assert client.get("/playground/playground.js").status_code == 200
+            start = time.monotonic()
+            r = client.get("/metrics")
+            assert r.status_code == 200 and time.monotonic() - start < 2.0
+    finally:
+        silent.close()
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "# Triton metrics unavailable from http://127.0.0.1:" in r.text
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    counts = {(s.labels["endpoint"], s.labels["status"]): s.value for s in families["openai_frontend_requests"].samples}
+    assert counts == {("/v1/completions", "400"): 3, ("/playground", "200"): 1}
+    durations = {s.labels["endpoint"]: s.value for s in families["openai_frontend_request_duration_seconds"].samples
+                 if s.name.endswith("_count")}
+    assert durations == {"/v1/completions": 3, "/playground": 1}
+    assert "openai_frontend_time_to_first_token_seconds" in families   # no stream yet: no samples

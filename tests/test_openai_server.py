@@ -863,3 +863,37 @@ def test_logprob_token_strings_are_real_without_a_tokenizer(keyed_front, tok):
     chat = client.chat.completions.create(model="qwen3_a8w8", messages=MESSAGES, max_tokens=3, temperature=0,
                                           logprobs=True, top_logprobs=2)
     assert all(not e.token.startswith("token_id:") and len(e.top_logprobs) == 2 for e in chat.choices[0].logprobs.content)
+
+
+# ----- /metrics ----------------------------------------------------------------------------------------
+def test_metrics_count_the_fronts_requests_and_carry_tritons(triton, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metered = Front(triton.grpc_url, tmp_path / "metered.log",
+                    "--triton-metrics-url", f"http://127.0.0.1:{triton.metrics_port}/metrics")
+    try:
+        client = metered.client()
+        for _ in range(2):
+            client.completions.create(model="qwen3_a8w8", prompt=PROMPT, max_tokens=3, temperature=0)
+        chunks = list(client.chat.completions.create(model="qwen3_a8w8", messages=MESSAGES, max_tokens=3,
+                                                     temperature=0, stream=True))
+        assert chunks
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="qwen3_a8w8", prompt=PROMPT, max_tokens=0)
+        r = requests.get(f"{metered.url}/metrics", timeout=10)
+    finally:
+        metered.stop()
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    counts = {(s.labels["endpoint"], s.labels["method"], s.labels["status"]): s.value
+              for s in families["openai_frontend_requests"].samples if s.name.endswith("_total")}
+    assert counts[("/v1/completions", "POST", "200")] == 2 and counts[("/v1/completions", "POST", "400")] == 1
+    assert counts[("/v1/chat/completions", "POST", "200")] == 1
+    durations = {s.labels["endpoint"]: s.value for s in families["openai_frontend_request_duration_seconds"].samples
+                 if s.name.endswith("_count")}
+    assert durations["/v1/completions"] == 3 and durations["/v1/chat/completions"] == 1
+    ttft = {s.labels["endpoint"]: s.value for s in families["openai_frontend_time_to_first_token_seconds"].samples
+            if s.name.endswith("_count")}
+    assert ttft == {"/v1/chat/completions": 1}   # streams only
+    success = [s for s in families["nv_inference_request_success"].samples if s.labels.get("model") == "qwen3_a8w8"]
+    assert success and success[0].value >= 3   # Triton's own metrics, after the front's

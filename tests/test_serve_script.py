@@ -66,7 +66,7 @@ def test_serve_starts_the_front_prints_the_playground_and_stops_the_front_with_t
 
 
 def check_serve_with_front(tmp_path: Path) -> None:
-    proc, out = run_serve(tmp_path, GRPC_PORT="18001", FRONT_PORT="19000")
+    proc, out = run_serve(tmp_path, GRPC_PORT="18001", FRONT_PORT="19000", METRICS_PORT="18002")
     assert proc.returncode == 0, proc.stderr
     assert "chat playground: http://127.0.0.1:19000/" in proc.stdout
     assert (out / "server.args").read_text().split()[:2] == ["--model-repository", "model_repository"]
@@ -74,7 +74,7 @@ def check_serve_with_front(tmp_path: Path) -> None:
     assert wait_for(out / "front.args")
     assert (out / "front.args").read_text().split() == [
         "-m", "openai_frontend", "--triton-url", "127.0.0.1:18001", "--host", "127.0.0.1", "--port", "19000",
-        "--log-level", "warning"]
+        "--triton-metrics-url", "http://127.0.0.1:18002/metrics", "--log-level", "warning"]
     assert wait_for(out / "front.term", 5), "the front outlived the server"
 
 
