@@ -323,7 +323,7 @@ class ChatTemplateKwargs(_Body):
 
 
 class StructuredOutputs(_Body):
-    """vLLM's StructuredOutputsParams: exactly one constraint (json, regex, choice, grammar, json_object) and its
+    """vLLM's StructuredOutputsParams: exactly one constraint (json, regex, choice, grammar, json_object, tool_calls) and its
     options. The values are checked by the engine, whose errors name structured_outputs.<key>."""
     json_: Any = Field(None, alias="json", description="A JSON schema (an object, or its JSON text) the output "
                                                        "must match.")
@@ -331,7 +331,11 @@ class StructuredOutputs(_Body):
     choice: Any = Field(None, description="A list of strings: the output is one of them.")
     grammar: Any = Field(None, description="A Lark (or GBNF) grammar the output must match.")
     json_object: Any = Field(None, description="true: the output is any JSON object.")
-    disable_any_whitespace: Any = Field(None, description="true: no whitespace between JSON tokens.")
+    tool_calls: Any = Field(None, description="This project's: {functions: [{name, parameters}], parallel}: the "
+                                              "output is Qwen3 tool calls of these functions (the grammar built "
+                                              "from the model's vocabulary).")
+    disable_any_whitespace: Any = Field(None, description="true: no whitespace between JSON tokens (by default "
+                                                          "one space, or a newline and at most 20 spaces or tabs).")
     whitespace_pattern: Any = Field(None, description="A regex for the whitespace between JSON tokens.")
     disable_fallback: Any = Field(None, description="Accepted (there is no other backend to fall back to).")
     disable_additional_properties: Any = Field(None, description="Only false.")
