@@ -132,7 +132,9 @@ def markdown() -> str:
         "Each field a client of vLLM, vllm_backend or the TensorRT-LLM backend may send to `qwen3_a8w8` / "
         "`qwen3_tq` is in one of the tables: honoured, accepted only with its neutral value, or refused with an "
         "`INVALID_ARG` naming it. Nothing is dropped in silence. The OpenAI front's bodies are listed with their "
-        "types and ranges by the front itself, at `/docs` and `/openapi.json` ([OpenAI front](openai.md)).",
+        "types and ranges by the front itself, at `/docs` and `/openapi.json` ([OpenAI front](openai.md)); "
+        "tests/test_front_field_walk.py walks every field of OpenAI's and vLLM's chat and completions bodies "
+        "the same way (honoured, neutral-only, an identifier accepted unused, or a 400 naming it).",
         "",
         "## Input tensors",
         "",
