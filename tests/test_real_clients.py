@@ -82,7 +82,8 @@ def run(cmd, env, timeout=240, cwd=ROOT) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def front(triton, bf16_ckpt, tmp_path_factory):
-    server = Front(triton.grpc_url, tmp_path_factory.mktemp("clients") / "front.log", "--tokenizer", str(bf16_ckpt))
+    server = Front(triton.grpc_url, tmp_path_factory.mktemp("clients") / "front.log", "--tokenizer", str(bf16_ckpt),
+                   "--triton-metrics-url", f"http://127.0.0.1:{triton.metrics_port}/metrics")
     yield server
     server.stop()
 
@@ -270,11 +271,11 @@ def test_aiperf_streams_from_the_front(aiperf, endpoint_type):
     assert all(p["stream"] for d in inputs for p in d["payloads"])
 
 
-@pytest.mark.xfail(strict=True, reason="the front serves no /metrics: aiperf scrapes GET <--url>/metrics "
-                   "(enabled by default), gets 404 and logs 'Server metrics disabled - no Prometheus endpoints "
-                   "reachable', so no server_metrics_export.json (another change adds /metrics to the front)")
 def test_aiperf_collects_the_fronts_server_metrics(aiperf):
-    assert (aiperf("completions") / "server_metrics_export.json").exists()
+    """aiperf scrapes GET <--url>/metrics by default: the front's own counters and Triton's, on the API port."""
+    export = json.loads((aiperf("completions") / "server_metrics_export.json").read_text())
+    assert export["summary"]["endpoints_successful"] == export["summary"]["endpoints_configured"]
+    assert {"openai_frontend_requests", "nv_inference_request_success"} <= set(export["metrics"])
 
 
 # ----- genai-perf and perf_analyzer against tritonserver ----------------------------------------------
