@@ -3,9 +3,10 @@
 //
 // Decode steps (one new token per sequence, up to kMaxFusedRows sequences) run the whole step in ONE OpenMP
 // parallel region with a workspace kept across calls: the threads stay in the region from the first layer to
-// the final norm, take the panels of every GEMV (qkv, o, gate_up, down) and the attention work items from an
-// atomic counter each, and meet at a barrier only where a result of the others is read next (after each GEMV,
-// after attention). The row-wise ops between them (add + RMSNorm, the activation quantization, SwiGLU) need a
+// the final norm and meet at a barrier only where a result of the others is read next (after each GEMV, after
+// attention). Each GEMV (qkv, o, gate_up, down) gives every thread a home: a contiguous stretch of its panels,
+// read front to back as one stream; a thread done with its home takes chunks from the back of the others' (so a
+// thread the host slows down holds up no one). The attention work items are handed out from a counter. The row-wise ops between them (add + RMSNorm, the activation quantization, SwiGLU) need a
 // whole row; for a batch of at most kRedundantRows rows every thread computes them itself, into buffers of its
 // own, instead of one thread computing them while the others wait at a barrier (the same function on the same
 // inputs: the same bits in every copy); larger batches split the rows and meet at a barrier. q/k-norm, RoPE and
@@ -45,11 +46,12 @@ enum LayerTensor : int64_t {
 constexpr int64_t kMaxFusedRows = 64;   // decode steps of up to this many sequences take the one-region path
 constexpr int64_t kRedundantRows = 2;   // up to this many rows, every thread computes the row-wise ops itself
 constexpr int kMaxThreads = 256;
+constexpr int64_t kLine = 8;             // int64 counters per cache line
 
 // Optional time accounting of the region (decode_layers_profile): per thread, seconds in each phase.
 enum Phase : int {
-  kFork, kNormIn, kQkv, kQkvWait, kAttn, kAttnWait, kQuantO, kO, kOWait, kNormPost, kGateUp, kGateUpWait, kSilu,
-  kDown, kDownWait, kFinal, kPhases
+  kFork, kNormIn, kQkv, kQkvWait, kRope, kKvWrite, kAttn, kAttnWait, kQuantO, kO, kOWait, kNormPost, kGateUp,
+  kGateUpWait, kSilu, kDown, kDownWait, kFinal, kPhases
 };
 struct alignas(64) ProfRow {
   double s[kPhases];
@@ -106,7 +108,7 @@ at::Tensor decode_layers_ops(const at::Tensor& x_in, at::TensorList layers, at::
   return std::get<0>(add_rms_norm(x, residual, final_norm, eps));
 }
 
-// One A8W8 linear of the region: its packed weight and the panels handed out per counter fetch.
+// One A8W8 linear of the region: its packed weight and the panels a thread takes at a time (a chunk).
 struct Lin {
   const int8_t* w;
   const float* scale;
@@ -139,13 +141,14 @@ struct Workspace {
     if (bytes.size() < n + 64) bytes.resize(n + 64);
     return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(bytes.data()) + 63) & ~uintptr_t{63});
   }
-  std::atomic<int64_t>* reserve_counters(size_t n) {
-    if (n_counters < n) {
-      counters.reset(new std::atomic<int64_t>[n]);
-      n_counters = n;
+  std::atomic<int64_t>* reserve_counters(size_t n) {   // 64-byte aligned
+    if (n_counters < n + 8) {
+      counters.reset(new std::atomic<int64_t>[n + 8]);
+      n_counters = n + 8;
     }
-    for (size_t i = 0; i < n; ++i) counters[i].store(0, std::memory_order_relaxed);
-    return counters.get();
+    auto* c = reinterpret_cast<std::atomic<int64_t>*>((reinterpret_cast<uintptr_t>(counters.get()) + 63) & ~uintptr_t{63});
+    for (size_t i = 0; i < n; ++i) c[i].store(0, std::memory_order_relaxed);
+    return c;
   }
 };
 
@@ -194,7 +197,21 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
   const size_t shared_bytes = c.off, per_bytes = per.off;
   const int sets = redundant ? nt : 1;   // row-split steps use set 0 as the shared one
   char* base = ws.reserve(shared_bytes + per_bytes * std::max(sets, nt));
-  std::atomic<int64_t>* ctr = ws.reserve_counters(static_cast<size_t>(s.L) * 5);
+  // Counters, each on a cache line of its own: per layer the attention items' counter, then per layer, GEMV and
+  // thread that thread's home chunks (front << 32 | back). A thread takes the chunks of its home from the front,
+  // one contiguous stretch of the weight per thread, then the others' from their backs: a thread slowed by the
+  // host (or a team smaller than asked for) takes fewer chunks instead of holding up the others at the barrier.
+  std::atomic<int64_t>* items_ctr = ws.reserve_counters(static_cast<size_t>(s.L * (1 + 4 * nt) * kLine));
+  std::atomic<int64_t>* homes = items_ctr + s.L * kLine;
+  for (int64_t l = 0; l < s.L; ++l) {
+    const Lin* lins[4] = {&s.qkv[l], &s.o[l], &s.gate_up[l], &s.down[l]};
+    for (int j = 0; j < 4; ++j) {
+      const int64_t chunks = (lins[j]->NP + lins[j]->chunk - 1) / lins[j]->chunk;
+      for (int t = 0; t < nt; ++t)
+        homes[((l * 4 + j) * nt + t) * kLine].store(((chunks * t / nt) << 32) | (chunks * (t + 1) / nt),
+                                                    std::memory_order_relaxed);
+    }
+  }
   T* qkv = reinterpret_cast<T*>(base + o_qkv);
   T* qb = reinterpret_cast<T*>(base + o_q);
   T* att = reinterpret_cast<T*>(base + o_att);
@@ -230,18 +247,34 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
       }
       clk.mark(p);
     };
-    auto gemv = [&](const Lin& lin, std::atomic<int64_t>& next, T* y, Phase p) {
-      const int64_t chunks = (lin.NP + lin.chunk - 1) / lin.chunk;
-      for (int64_t ch = next.fetch_add(1, std::memory_order_relaxed); ch < chunks;
-           ch = next.fetch_add(1, std::memory_order_relaxed))
+    auto take = [](std::atomic<int64_t>& a, bool front, int64_t& c) {   // a chunk from the front or the back
+      int64_t v = a.load(std::memory_order_relaxed);
+      for (;;) {
+        const int64_t f = v >> 32, b = v & 0xffffffff;
+        if (f >= b) return false;
+        const int64_t nv = front ? (((f + 1) << 32) | b) : ((f << 32) | (b - 1));
+        if (a.compare_exchange_weak(v, nv, std::memory_order_relaxed)) {
+          c = front ? f : b - 1;
+          return true;
+        }
+      }
+    };
+    auto gemv = [&](const Lin& lin, std::atomic<int64_t>* home, T* y, Phase p) {
+      auto run = [&](int64_t ch) {
         parts::a8w8_panels(xu, sc, Tn, lin.Kp, lin.w, lin.KG, lin.scale, lin.colsum, lin.N, ch * lin.chunk,
                            std::min(lin.NP, (ch + 1) * lin.chunk), y, lin.N);
+      };
+      int64_t ch;
+      while (take(home[tid * kLine], true, ch)) run(ch);
+      for (int k = 1; k < nt; ++k)
+        while (take(home[(tid + k) % nt * kLine], false, ch)) run(ch);
       clk.mark(p);
 #pragma omp barrier
       clk.mark(static_cast<Phase>(p + 1));   // the wait for the others' panels
     };
     for (int64_t l = 0; l < s.L; ++l) {
-      std::atomic<int64_t>* lc = ctr + l * 5;
+      std::atomic<int64_t>* home = homes + l * 4 * nt * kLine;   // this layer's four GEMVs
+      std::atomic<int64_t>& items_next = items_ctr[l * kLine];
       const T* res_in = l == 0 ? s.x_in : res;   // layer 0: the residual is the embedding
       // input norm and the qkv activations
       for (int64_t r = r_lo; r < r_hi; ++r) {
@@ -250,42 +283,44 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
         sc[r] = parts::a8w8_quantize_row(hn + r * hid, hid, s.qkv[l].Kp, xu + r * s.qkv[l].Kp * ab);
       }
       rows_done(kNormIn);
-      gemv(s.qkv[l], lc[0], qkv, kQkv);
+      gemv(s.qkv[l], home, qkv, kQkv);
       // per (sequence, KV head): q/k-norm + RoPE of its heads, its K/V row into the cache, its attention
       const int64_t items = Tn * KVH;
-      for (int64_t it = lc[1].fetch_add(1, std::memory_order_relaxed); it < items;
-           it = lc[1].fetch_add(1, std::memory_order_relaxed)) {
+      for (int64_t it = items_next.fetch_add(1, std::memory_order_relaxed); it < items;
+           it = items_next.fetch_add(1, std::memory_order_relaxed)) {
         const int64_t t = it / KVH, g = it % KVH;   // decode: sequence t's one token is row t
         const T* row = qkv + t * W;
         const float* cosv = s.cos_sin + s.pos[t] * D;
         for (int64_t h = g * G; h < (g + 1) * G; ++h)
           parts::qk_norm_rope_head(row + h * D, s.q_norm[l], cosv, D, s.eps, qb + (t * H + h) * D);
         parts::qk_norm_rope_head(row + (H + g) * D, s.k_norm[l], cosv, D, s.eps, krow);
+        clk.mark(kRope);
         if (s.slots[t] >= 0)
           parts::write_kv_row(krow, row + (H + KVH + g) * D, s.kc[l], s.vc[l], s.slots[t], g, KVH, D, s.attn.S,
                               s.attn.KW);
+        clk.mark(kKvWrite);
         parts::dense_attention_item(s.attn, static_cast<int32_t>(t), static_cast<int32_t>(g), static_cast<int32_t>(t),
                                     1, qb, s.kc[l], s.vc[l], att);
+        clk.mark(kAttn);
       }
-      clk.mark(kAttn);
 #pragma omp barrier
       clk.mark(kAttnWait);
       for (int64_t r = r_lo; r < r_hi; ++r)
         sc[r] = parts::a8w8_quantize_row(att + r * HD, HD, s.o[l].Kp, xu + r * s.o[l].Kp * ab);
       rows_done(kQuantO);
-      gemv(s.o[l], lc[2], yb, kO);
+      gemv(s.o[l], home + nt * kLine, yb, kO);
       for (int64_t r = r_lo; r < r_hi; ++r) {
         parts::add_rms_norm_row(yb + r * hid, res_in + r * hid, s.post_norm[l], hn + r * hid, res + r * hid, hid, s.eps);
         sc[r] = parts::a8w8_quantize_row(hn + r * hid, hid, s.gate_up[l].Kp, xu + r * s.gate_up[l].Kp * ab);
       }
       rows_done(kNormPost);
-      gemv(s.gate_up[l], lc[3], gu, kGateUp);
+      gemv(s.gate_up[l], home + 2 * nt * kLine, gu, kGateUp);
       for (int64_t r = r_lo; r < r_hi; ++r) {
         parts::silu_mul_row(gu + r * 2 * I, I, act + r * I);
         sc[r] = parts::a8w8_quantize_row(act + r * I, I, s.down[l].Kp, xu + r * s.down[l].Kp * ab);
       }
       rows_done(kSilu);
-      gemv(s.down[l], lc[4], xb, kDown);
+      gemv(s.down[l], home + 3 * nt * kLine, xb, kDown);
     }
     // the final norm: the first thread (redundant rows) or each its rows
     if (!redundant || tid == 0)
