@@ -123,3 +123,18 @@ def test_python_loop_where_the_layer_loop_does_not_apply(a8w8_ckpt, bf16_ckpt):
     assert a8w8.runner.model.layer_loop.applies(a8w8.runner.kv_cache)
     ref = make_engine(a8w8_ckpt, dtype="bfloat16", kernels="reference", kv_cache_memory="4MiB", max_model_len=256)
     assert not ref.runner.model.layer_loop.applies(ref.runner.kv_cache)
+
+
+def test_the_region_profile_accounts_for_a_decode_step(a8w8_ckpt):
+    """bench.step_profile --region: every timed step ran in the region, its phases and the Python-side kernels
+    add up to no more than the step."""
+    from bench.step_profile import region_round, region_table
+    eng = make_engine(a8w8_ckpt, dtype="bfloat16", max_num_seqs=1, kv_cache_memory="4MiB", max_model_len=256)
+    r = region_round(eng, threads=2, context=16, steps=6, seed=1)
+    assert r["steps_in_region"] == 6
+    for label in ("GEMV qkv_proj", "GEMV o_proj", "GEMV gate_up_proj", "GEMV down_proj",
+                  "attention items: paged attention"):
+        assert r["ops"][label]["ms_per_step"] > 0 and (r["ops"][label]["gb_per_s"] or 1) > 0
+    assert 0 < r["region_ms"] < r["step_ms"]
+    r["stream_read_gb_per_s"] = 10.0
+    assert "GEMV lm_head" in region_table([r])

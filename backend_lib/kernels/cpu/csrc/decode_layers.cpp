@@ -50,7 +50,7 @@ constexpr int64_t kLine = 8;             // int64 counters per cache line
 
 // Optional time accounting of the region (decode_layers_profile): per thread, seconds in each phase.
 enum Phase : int {
-  kFork, kNormIn, kQkv, kQkvWait, kRope, kKvWrite, kAttn, kAttnWait, kQuantO, kO, kOWait, kNormPost, kGateUp,
+  kPrologue, kFork, kNormIn, kQkv, kQkvWait, kRope, kKvWrite, kAttn, kAttnWait, kQuantO, kO, kOWait, kNormPost, kGateUp,
   kGateUpWait, kSilu, kDown, kDownWait, kFinal, kPhases
 };
 struct alignas(64) ProfRow {
@@ -176,6 +176,7 @@ struct Step {
   const float* cos_sin;
   parts::AttnArgs attn;
   T* out;
+  std::chrono::steady_clock::time_point t_entry;   // decode_layers' start (the profile's prologue)
 };
 
 template <typename T>
@@ -228,6 +229,7 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
     PhaseClock clk(prof, g_prof + tid, t_fork);
     clk.mark(kFork);
     if (prof && tid == 0) {
+      g_prof[0].s[kPrologue] += std::chrono::duration<double>(t_fork - s.t_entry).count();
       ++g_prof_steps;
       g_prof_threads = std::max(g_prof_threads, team);
     }
@@ -342,6 +344,7 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                 const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale) {
+  const auto t_entry = std::chrono::steady_clock::now();
   const int64_t L = static_cast<int64_t>(k_caches.size()), Tn = x_in.size(0), hid = x_in.size(1);
   const auto dt = x_in.scalar_type();
   if (L == 0 || Tn == 0 || Tn > kMaxFusedRows || (dt != at::kFloat && dt != at::kBFloat16) || !x_in.is_contiguous() ||
@@ -371,6 +374,7 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
   auto run = [&](auto tag) -> at::Tensor {
     using T = decltype(tag);
     Step<T> s;
+    s.t_entry = t_entry;
     s.L = L, s.T_ = Tn, s.hid = hid, s.H = H, s.KVH = KVH, s.D = D, s.eps = static_cast<float>(eps);
     s.x_in = static_cast<const T*>(x_in.data_ptr());
     s.Wqkv = (H + 2 * KVH) * D;
