@@ -382,6 +382,9 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
     if (gu_scale.dim() != 1 || gu_scale.size(0) % 2 != 0) return {};
     s.I = gu_scale.size(0) / 2;
     bool ok = true;
+    for (auto* v : {&s.in_norm, &s.post_norm, &s.q_norm, &s.k_norm}) v->reserve(L);
+    for (auto* v : {&s.qkv, &s.o, &s.gate_up, &s.down}) v->reserve(L);
+    s.kc.reserve(L), s.vc.reserve(L);
     for (int64_t l = 0; l < L && ok; ++l) {
       const at::Tensor* w = layers.data() + l * kPerLayer;
       s.in_norm.push_back(ptr_of<T>(w[kInputNorm], hid, dt, ok));
