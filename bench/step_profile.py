@@ -1,6 +1,7 @@
 """Where a batch-1 decode step goes, per operation, at 1 and 2 threads (in-process, the compiled kernels).
 
     python -m bench.step_profile [--checkpoint DIR] [--threads 1,2] [--steps 64] [--context 128] [--layer-loop on,off]
+    python -m bench.step_profile --region [--threads 1,2] [--rounds 5]     # the C++ loop's one region, per phase
 
 One sequence with a `--context`-token prompt decodes `--steps` tokens twice per thread count: once as the
 engine runs (the step time), once with every kernel call timed (each call is wrapped in a Python timer;
@@ -205,6 +206,120 @@ def layer_loop_ab(eng, threads: int, context: int, steps: int, block: int = 4) -
     return out
 
 
+# decode_layers_profile's phases (csrc/decode_layers.cpp, enum Phase), grouped into the rows of the region table
+REGION_PHASES = ("prologue fork normIn qkv qkvWait rope kvWrite attn attnWait quantO o oWait normPost gateUp gateUpWait silu "
+                 "down downWait final").split()
+REGION_ROWS = (
+    ("GEMV qkv_proj", ("qkv",), "qkv_proj"),
+    ("GEMV gate_up_proj", ("gateUp",), "gate_up_proj"),
+    ("GEMV down_proj", ("down",), "down_proj"),
+    ("GEMV o_proj", ("o",), "o_proj"),
+    ("attention items: paged attention", ("attn",), None),
+    ("attention items: q/k-norm + RoPE, KV write", ("rope", "kvWrite"), None),
+    ("row ops: add + RMSNorm, activation quantization, SwiGLU, final norm", ("normIn", "quantO", "normPost", "silu", "final"), None),
+    ("barrier waits (GEMV tails, attention items)", ("qkvWait", "attnWait", "oWait", "gateUpWait", "downWait"), None),
+    ("layers call before the region: argument checks, pointers (C++)", ("prologue",), None),
+    ("region entry (fork)", ("fork",), None),
+)
+
+
+def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict:
+    """One sequence's batch-1 decode with the C++ layer loop, its one parallel region accounted per phase
+    (torch.ops.qwen3_cpu.decode_layers_profile, per step; the median over steps of each phase, averaged over the
+    threads, whose phases each sum to the region's time) and the kernels called from Python (the head, the
+    embedding rows, sampling, prepare) timed as in the Python-loop profile."""
+    torch.set_num_threads(threads)
+    model = eng.runner.model
+    model.use_layer_loop = True
+    decode_steps(eng, context, 4, seed=seed + 99)   # warm (and the team at this width)
+    loop = model.layer_loop
+    prof = torch.ops.qwen3_cpu.decode_layers_profile
+
+    class Timer(OpTimer):   # also: the layer-loop calls and their region profile while the timed steps run
+        active = False
+
+        def install(self):
+            super().install()
+            self.active = True
+
+        def remove(self):
+            self.active = False
+            super().remove()
+
+    timer = Timer(eng.runner)
+    layer_ns: list[int] = []
+    profs: list[torch.Tensor] = []
+
+    class TimedLoop:
+        applies = staticmethod(loop.applies)
+
+        def __call__(self, *a):
+            t0 = time.perf_counter_ns()
+            out = loop(*a)
+            t1 = time.perf_counter_ns()
+            p = prof(True)   # this call's phases (and reset)
+            if timer.active:
+                layer_ns.append(t1 - t0)
+                profs.append(p)
+            return out
+
+    model.layer_loop = TimedLoop()
+    prof(True)
+    try:
+        timed = decode_steps(eng, context, steps, seed=seed, timer=timer)
+    finally:
+        model.layer_loop = loop
+        prof(False)
+    profs = [p for p in profs if p[0, -1].item() == 1]   # the timed steps that ran in the region
+    med = lambda v: sorted(v)[len(v) // 2]
+    n_threads = min(p.shape[0] for p in profs)
+    phase_ms = {ph: sum(med([p[t, j].item() * 1e3 for p in profs]) for t in range(n_threads)) / n_threads
+                for j, ph in enumerate(REGION_PHASES)}
+    phase_ms["prologue"] = med([p[0, 0].item() * 1e3 for p in profs])   # the calling thread's, before the region
+    step_ms = med(timed) * 1000
+    ops = {}
+    for label, phases, lin in REGION_ROWS:
+        ms = sum(phase_ms[ph] for ph in phases)
+        nbytes = 0
+        if lin:
+            mods = [getattr(layer.self_attn if lin in ("qkv_proj", "o_proj") else layer.mlp, lin)
+                    for layer in model.layers]
+            nbytes = sum(t.numel() * t.element_size() for m in mods for t in m.prepared if isinstance(t, torch.Tensor))
+            wait = phase_ms[phases[0] + "Wait"]
+        ops[label] = {"ms_per_step": ms, "mb_per_step": nbytes / 1e6,
+                      "gb_per_s": nbytes / 1e6 / (ms + wait) if lin else None}   # read rate over work + tail
+    region_ms = sum(v for ph, v in phase_ms.items() if ph != "prologue")
+    ops["layers call: the rest (the op's dispatch of ~500 tensors, Python)"] = {
+        "ms_per_step": med(layer_ns) / 1e6 - region_ms - phase_ms["prologue"], "mb_per_step": 0, "gb_per_s": None}
+    for label in sorted(timer.ns, key=lambda k: -timer.ns[k]):
+        ms = timer.ns[label] / steps / 1e6
+        ops[label] = {"ms_per_step": ms, "mb_per_step": timer.bytes[label] / steps / 1e6,
+                      "gb_per_s": (timer.bytes[label] / (timer.ns[label] / 1e9) / 1e9) if timer.bytes[label] else None}
+    rest = step_ms - med(layer_ns) / 1e6 - sum(timer.ns.values()) / steps / 1e6
+    return {"threads": threads, "step_ms": step_ms, "region_ms": region_ms, "ops": ops, "python_and_rest_ms": rest,
+            "mb_per_token": sum(o["mb_per_step"] for o in ops.values()), "phase_ms": phase_ms,
+            "steps_in_region": len(profs)}
+
+
+def region_table(results: list[dict]) -> str:
+    head = " | ".join(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: ms (share), GB/s" for r in results)
+    md = [f"| operation (one region per step; median step) | {head} |", "|---|" + "---|" * len(results)]
+    for label in list(results[0]["ops"]) + ["Python and the rest"]:
+        cells = []
+        for r in results:
+            ms, gbs = ((r["python_and_rest_ms"], None) if label == "Python and the rest"
+                       else (r["ops"][label]["ms_per_step"], r["ops"][label]["gb_per_s"]))
+            cells.append(f"{ms:.2f} ({ms / r['step_ms'] * 100:.0f} %)" + (f", {gbs:.1f}" if gbs else ""))
+        md.append(f"| {label} | " + " | ".join(cells) + " |")
+    md.append("| **step (median)** | " + " | ".join(
+        f"{r['step_ms']:.2f} ms ({1000 / r['step_ms']:.1f} tokens/s; region {r['region_ms']:.2f})" for r in results) + " |")
+    md.append("| weights read per token; STREAM read; floor; step / floor | " + " | ".join(
+        f"{r['mb_per_token']:.0f} MB; {r['stream_read_gb_per_s']:.1f} GB/s; "
+        f"{r['mb_per_token'] / r['stream_read_gb_per_s']:.2f} ms; "
+        f"{r['mb_per_token'] / r['stream_read_gb_per_s'] / r['step_ms']:.2f}x" for r in results) + " |")
+    return "\n".join(md)
+
+
 def table(results: list[dict]) -> str:
     labels = list(dict.fromkeys(k for r in results for k in r["ops"]))
     head = " | ".join(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}: ms (share), GB/s" for r in results)
@@ -242,6 +357,9 @@ def main() -> None:
                     "the Python one, or both alternated in every round")
     ap.add_argument("--ab-steps", type=int, default=0, help="instead of the profile: N decode steps per thread count "
                     "with the C++ layer loop switched on and off every 4 steps; min / p10 / median step per setting")
+    ap.add_argument("--region", action="store_true", help="instead of the Python-loop profile: the C++ layer loop's one "
+                    "parallel region per step, per phase (decode_layers_profile), with the head, sampling and the rest; "
+                    "each thread count's fastest of --rounds rounds, a STREAM read right after it")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     from backend_lib.config import EngineConfig
@@ -262,6 +380,25 @@ def main() -> None:
             res.append(r)
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
+        return
+    if args.region:
+        best: dict[int, dict] = {}
+        for r in range(args.rounds):
+            for t in [int(t) for t in args.threads.split(",")]:
+                res = region_round(eng, t, args.context, args.steps, seed=10 * r + 1)
+                res["stream_read_gb_per_s"] = stream_read_gbs(t)
+                res["rounds_step_ms"] = best.get(t, {}).get("rounds_step_ms", []) + [res["step_ms"]]
+                if t not in best or res["step_ms"] < best[t]["step_ms"]:
+                    best[t] = res
+                else:
+                    best[t]["rounds_step_ms"] = res["rounds_step_ms"]
+        results = list(best.values())
+        print(region_table(results))
+        for r in results:
+            print(f"threads {r['threads']}: median step per round " + ", ".join(f"{v:.2f}" for v in r["rounds_step_ms"])
+                  + f" ms; {r['steps_in_region']} steps in the region")
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
         return
     loops = tuple(args.layer_loop.split(","))
     if not set(loops) <= {"on", "off"}:

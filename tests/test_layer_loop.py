@@ -66,6 +66,28 @@ def test_every_step_is_bit_identical_to_the_python_loop(a8w8_ckpt, dtype, batch)
     assert twin.decode_steps >= 11 and batch in twin.batches
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_decode_steps_run_in_one_region_with_the_same_bits_at_any_thread_count(a8w8_ckpt, batch, threads):
+    """Decode steps take the one-parallel-region path (csrc/decode_layers.cpp, counted by decode_layers_profile):
+    its rows, panels and attention items go to whichever thread takes them, with the same bits as the Python loop
+    on one thread or three (more threads than this host's cores: threads descheduled mid-step), one row per
+    thread's own buffers (batch 1) or rows split between them (batch 5)."""
+    eng = make_engine(a8w8_ckpt, dtype="bfloat16", max_num_seqs=16, kv_cache_memory="4MiB", max_model_len=256)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.qwen3_cpu.decode_layers_profile(True)
+        twin = Twin(eng)
+        eng.generate(_prompts(eng, batch), _greedy(eng))
+        prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
+    finally:
+        torch.set_num_threads(old)
+    assert twin.decode_steps >= 11 and batch in twin.batches
+    assert prof[0, -1].item() == twin.decode_steps   # every decode step, and nothing else, in the region
+    assert prof.shape[0] == threads
+
+
 def test_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(a8w8_ckpt):
     eng = make_engine(a8w8_ckpt, dtype="bfloat16", max_num_seqs=16, kv_cache_memory="8MiB", max_model_len=256)
     prompts = _prompts(eng, 16)
@@ -101,3 +123,18 @@ def test_python_loop_where_the_layer_loop_does_not_apply(a8w8_ckpt, bf16_ckpt):
     assert a8w8.runner.model.layer_loop.applies(a8w8.runner.kv_cache)
     ref = make_engine(a8w8_ckpt, dtype="bfloat16", kernels="reference", kv_cache_memory="4MiB", max_model_len=256)
     assert not ref.runner.model.layer_loop.applies(ref.runner.kv_cache)
+
+
+def test_the_region_profile_accounts_for_a_decode_step(a8w8_ckpt):
+    """bench.step_profile --region: every timed step ran in the region, its phases and the Python-side kernels
+    add up to no more than the step."""
+    from bench.step_profile import region_round, region_table
+    eng = make_engine(a8w8_ckpt, dtype="bfloat16", max_num_seqs=1, kv_cache_memory="4MiB", max_model_len=256)
+    r = region_round(eng, threads=2, context=16, steps=6, seed=1)
+    assert r["steps_in_region"] == 6
+    for label in ("GEMV qkv_proj", "GEMV o_proj", "GEMV gate_up_proj", "GEMV down_proj",
+                  "attention items: paged attention"):
+        assert r["ops"][label]["ms_per_step"] > 0 and (r["ops"][label]["gb_per_s"] or 1) > 0
+    assert 0 < r["region_ms"] < r["step_ms"]
+    r["stream_read_gb_per_s"] = 10.0
+    assert "GEMV lm_head" in region_table([r])

@@ -20,7 +20,7 @@
 // where vpmaddubsw would saturate int16 with the +128 offset), needs no offset and no weight-range
 // assumption, and costs the same multiplier throughput per k as the vpsignb + vpmaddubsw + vpmaddwd
 // sequence.
-#include "common.h"
+#include "parts.h"
 
 #include <type_traits>
 #include <vector>
@@ -222,6 +222,74 @@ at::Tensor a8w8_colsum(const at::Tensor& w_q) {
   return w_q.sum(1, /*keepdim=*/false, at::kInt).contiguous();
 }
 
+namespace parts {
+
+int64_t a8w8_act_bytes() { return sizeof(qx_t); }
+int64_t a8w8_panel() { return kPanel; }
+int64_t a8w8_group() { return kGroup; }
+
+template <typename T>
+float a8w8_quantize_row(const T* x, int64_t K, int64_t Kp, void* q) {
+  return quantize_row(x, K, Kp, static_cast<qx_t*>(q));
+}
+
+template <typename T>
+void a8w8_panels(const void* xu_in, const float* sp, int64_t M, int64_t Kp, const int8_t* wp, int64_t KG,
+                 const float* wsp, const int32_t* csp, int64_t N, int64_t p0, int64_t p1, T* yp, int64_t ldy) {
+  const qx_t* xup = static_cast<const qx_t*>(xu_in);
+  const int64_t panel_bytes = KG * kPanel * kGroup;
+  alignas(64) int32_t acc[kMaxRows * kPanel];
+#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+  static thread_local std::vector<int16_t> wide_buf;
+  int16_t* wide = nullptr;
+  if (M >= kWidenRows) {
+    wide_buf.resize(panel_bytes + 32);   // + room to start on a cache line
+    wide = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
+  }
+#endif
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* panel = wp + p * panel_bytes;
+    const int64_t n0 = p * kPanel;
+    const int64_t nb = std::min<int64_t>(kPanel, N - n0);
+#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+    if (wide) widen_panel(panel, KG, wide);
+#endif
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+      if (wide) panel_rows16(mb, xup + m0 * Kp, Kp, wide, KG, acc);
+      else
+#endif
+      panel_rows(mb, xup + m0 * Kp, Kp, panel, KG, acc);
+      for (int i = 0; i < mb; ++i) {
+        const float s = sp[m0 + i];
+        T* yrow = yp + (m0 + i) * ldy + n0;
+        const int32_t* a = acc + i * kPanel;
+        int64_t j = 0;
+#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+        const __m256 vs = _mm256_set1_ps(s);   // the scalar loop's two products, lane by lane
+        for (; j + 8 <= nb; j += 8)
+          store8x(yrow + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
+                                                            reinterpret_cast<const __m256i*>(a + j))), vs),
+                                          _mm256_loadu_ps(wsp + n0 + j)));
+#endif
+        for (; j < nb; ++j)   // (acc * s_t) * w_scale[n], the reference's order
+          yrow[j] = from_f<T>((static_cast<float>(a[j] - kOffset * csp[n0 + j]) * s) * wsp[n0 + j]);
+      }
+    }
+  }
+}
+
+#define QK_A8W8_PARTS(T)                                                                                       \
+  template float a8w8_quantize_row<T>(const T*, int64_t, int64_t, void*);                                     \
+  template void a8w8_panels<T>(const void*, const float*, int64_t, int64_t, const int8_t*, int64_t, const float*, \
+                               const int32_t*, int64_t, int64_t, int64_t, T*, int64_t);
+QK_A8W8_PARTS(float)
+QK_A8W8_PARTS(c10::BFloat16)
+#undef QK_A8W8_PARTS
+
+}  // namespace parts
+
 // x [..., K] float -> y [..., N] (x's dtype). packed from a8w8_pack; w_scale fp32 [N]; colsum int32 [N] (sum(w_n),
 // which only the VNNI layout's +128 offset needs).
 at::Tensor a8w8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& w_scale,
@@ -247,7 +315,6 @@ at::Tensor a8w8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   const float* wsp = w_scale.data_ptr<float>();
   const int32_t* csp = colsum.data_ptr<int32_t>();
   const int8_t* wp = packed.data_ptr<int8_t>();
-  const int64_t panel_bytes = KG * kPanel * kGroup;
   QK_DISPATCH_FLOAT(x.scalar_type(), "a8w8_linear", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
@@ -256,46 +323,7 @@ at::Tensor a8w8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
     });
     const int64_t chunk = std::max<int64_t>(1, NP / (8 * at::get_num_threads()));
     parallel_chunks(NP, chunk, [&](int64_t p0, int64_t p1) {
-      alignas(64) int32_t acc[kMaxRows * kPanel];
-#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
-      static thread_local std::vector<int16_t> wide_buf;
-      int16_t* wide = nullptr;
-      if (M >= kWidenRows) {
-        wide_buf.resize(panel_bytes + 32);   // + room to start on a cache line
-        wide = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
-      }
-#endif
-      for (int64_t p = p0; p < p1; ++p) {
-        const int8_t* panel = wp + p * panel_bytes;
-        const int64_t n0 = p * kPanel;
-        const int64_t nb = std::min<int64_t>(kPanel, N - n0);
-#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
-        if (wide) widen_panel(panel, KG, wide);
-#endif
-        for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-          const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
-          if (wide) panel_rows16(mb, xup + m0 * Kp, Kp, wide, KG, acc);
-          else
-#endif
-          panel_rows(mb, xup + m0 * Kp, Kp, panel, KG, acc);
-          for (int i = 0; i < mb; ++i) {
-            const float s = sp[m0 + i];
-            scalar_t* yrow = yp + (m0 + i) * N + n0;
-            const int32_t* a = acc + i * kPanel;
-            int64_t j = 0;
-#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
-            const __m256 vs = _mm256_set1_ps(s);   // the scalar loop's two products, lane by lane
-            for (; j + 8 <= nb; j += 8)
-              store8x(yrow + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
-                                                                reinterpret_cast<const __m256i*>(a + j))), vs),
-                                              _mm256_loadu_ps(wsp + n0 + j)));
-#endif
-            for (; j < nb; ++j)   // (acc * s_t) * w_scale[n], the reference's order
-              yrow[j] = from_f<scalar_t>((static_cast<float>(a[j] - kOffset * csp[n0 + j]) * s) * wsp[n0 + j]);
-          }
-        }
-      }
+      parts::a8w8_panels(xup, sp, M, Kp, wp, KG, wsp, csp, N, p0, p1, yp, N);
     });
   });
   return y.reshape(sizes);

@@ -2,6 +2,7 @@
 // Layout per layer: K [pages, kv_heads, page_size / KW, head_dim, KW] (blocked, transposed), V [pages,
 // kv_heads, page_size, head_dim]. See attention_common.h for the blocking and batch invariance.
 #include "attention_common.h"
+#include "parts.h"
 
 namespace qk {
 namespace {
@@ -116,7 +117,60 @@ struct DenseValues {
 #endif
 };
 
+// One work item on a dense cache: the rows of w, read from q and written to out ([T, H, D]), in the calling
+// thread (paged_attention hands its items to the intra-op threads; decode_layers to its own).
+template <typename QT, typename CT>
+inline void dense_item(RowBlock& rb, const WorkItem& w, const int32_t* qs, const int32_t* ls, const int32_t* btp,
+                       int64_t max_pages, int G, int64_t H, int64_t KVH, int64_t D, int64_t S, int64_t KW, float sm,
+                       const QT* qp, const CT* kc, const CT* vc, QT* op) {
+  load_rows(rb, w, qs, ls, G, H, D, qp, copy_row);
+  auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
+    const CT* kb = kc + ((page * KVH + w.kv_head) * S + block * KW) * D;
+    if (KW == 32) score_dense_rows<32>(rb, r0, nr, kb, D, o);
+    else score_dense_rows<16>(rb, r0, nr, kb, D, o);
+  };
+  auto values = [&](int64_t page) { return DenseValues<CT>{vc + (page * KVH + w.kv_head) * S * D, D}; };
+  attend_rows(rb, btp + w.seq * max_pages, S, D, sm, score, values, [](int64_t) {});
+  store_rows(rb, w, G, H, D, op, copy_row);
+}
+
+template <typename T>
+inline void kv_row(const T* krow, const T* vrow, T* kd, T* vd, int64_t slot, int64_t g, int64_t KVH, int64_t D,
+                   int64_t S, int64_t KW) {
+  const int64_t page = slot / S, off = slot % S;
+  T* kb = kd + ((page * KVH + g) * S + (off / KW) * KW) * D + off % KW;   // the key's lane
+  for (int64_t d = 0; d < D; ++d) kb[d * KW] = krow[d];
+  std::memcpy(vd + ((page * KVH + g) * S + off) * D, vrow, D * sizeof(T));
+}
+
 }  // namespace
+
+namespace parts {
+
+template <typename T>
+void dense_attention_item(const AttnArgs& a, int32_t seq, int32_t kv_head, int32_t t0, int32_t nq, const T* q,
+                          const T* k_cache, const T* v_cache, T* out) {
+  static thread_local RowBlock rb;
+  const WorkItem w{seq, kv_head, t0, nq};
+  dense_item<T, T>(rb, w, a.query_start_loc, a.seq_lens, a.block_tables, a.max_pages, static_cast<int>(a.H / a.KVH),
+                   a.H, a.KVH, a.D, a.S, a.KW, a.scale, q, k_cache, v_cache, out);
+}
+
+template <typename T>
+void write_kv_row(const T* k, const T* v, T* k_cache, T* v_cache, int64_t slot, int64_t g, int64_t KVH, int64_t D,
+                  int64_t S, int64_t KW) {
+  kv_row(k, v, k_cache, v_cache, slot, g, KVH, D, S, KW);
+}
+
+#define QK_ATTN_PARTS(T)                                                                                      \
+  template void dense_attention_item<T>(const AttnArgs&, int32_t, int32_t, int32_t, int32_t, const T*, const T*, \
+                                        const T*, T*);                                                       \
+  template void write_kv_row<T>(const T*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+QK_ATTN_PARTS(float)
+QK_ATTN_PARTS(c10::BFloat16)
+#undef QK_ATTN_PARTS
+
+}  // namespace parts
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables_in, const at::Tensor& query_start_loc_in,
@@ -153,16 +207,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       const CT* vc = v_cache.data_ptr<CT>();
       const int32_t* btp = bt.data_ptr<int32_t>();
       for_each_item(static_cast<int64_t>(items.size()), [&](int64_t it, RowBlock& rb) {
-        const WorkItem& w = items[it];
-        load_rows(rb, w, qs, ls, G, H, D, qp, copy_row);
-        auto score = [&](int64_t page, int64_t block, int r0, int nr, float (*o)[kMaxKW]) {
-          const CT* kb = kc + ((page * KVH + w.kv_head) * S + block * KW) * D;
-          if (KW == 32) score_dense_rows<32>(rb, r0, nr, kb, D, o);
-          else score_dense_rows<16>(rb, r0, nr, kb, D, o);
-        };
-        auto values = [&](int64_t page) { return DenseValues<CT>{vc + (page * KVH + w.kv_head) * S * D, D}; };
-        attend_rows(rb, btp + w.seq * max_pages, S, D, sm, score, values, [](int64_t) {});
-        store_rows(rb, w, G, H, D, op, copy_row);
+        dense_item<QT, CT>(rb, items[it], qs, ls, btp, max_pages, G, H, KVH, D, S, KW, sm, qp, kc, vc, op);
       });
     });
   });
@@ -184,15 +229,9 @@ void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cach
     const scalar_t* vs = v.data_ptr<scalar_t>();
     scalar_t* kd = k_cache.data_ptr<scalar_t>();
     scalar_t* vd = v_cache.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t page = sp[t] / S, off = sp[t] % S;
-      for (int64_t g = 0; g < KVH; ++g) {
-        const scalar_t* krow = ks + (t * KVH + g) * D;
-        scalar_t* kb = kd + ((page * KVH + g) * S + (off / KW) * KW) * D + off % KW;   // the key's lane
-        for (int64_t d = 0; d < D; ++d) kb[d * KW] = krow[d];
-        std::memcpy(vd + ((page * KVH + g) * S + off) * D, vs + (t * KVH + g) * D, D * sizeof(scalar_t));
-      }
-    }
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t g = 0; g < KVH; ++g)
+        kv_row(ks + (t * KVH + g) * D, vs + (t * KVH + g) * D, kd, vd, sp[t], g, KVH, D, S, KW);
   });
 }
 

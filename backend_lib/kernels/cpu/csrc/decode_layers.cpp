@@ -1,17 +1,37 @@
 // The decoder's layer loop in C++: every layer of a Qwen3 step (A8W8 linears, dense paged KV cache) with no
 // return to Python between the kernels.
 //
-// It calls the very kernel functions the Python layers call (models/qwen3.py, layers/attention.py,
-// layers/mlp.py), with the same arguments in the same order, so its hidden states are bit-identical to
-// the Python path's whatever the batch; what it removes is the interpreter between them (module calls,
-// the kernel set's lambdas, tensor views and argument parsing: ~1 ms of a ~20 ms batch-1 step), and
-// since the kernels now follow each other without a gap, the OpenMP team is still spinning when the
-// next parallel region starts.
-#include "ops.h"
+// Decode steps (one new token per sequence, up to kMaxFusedRows sequences) run the whole step in ONE OpenMP
+// parallel region with a workspace kept across calls: the threads stay in the region from the first layer to
+// the final norm and meet at a barrier only where a result of the others is read next (after each GEMV, after
+// attention). Each GEMV (qkv, o, gate_up, down) gives every thread a home: a contiguous stretch of its panels,
+// read front to back as one stream; a thread done with its home takes chunks from the back of the others' (so a
+// thread the host slows down holds up no one). The attention work items are handed out from a counter. The row-wise ops between them (add + RMSNorm, the activation quantization, SwiGLU) need a
+// whole row; for a batch of at most kRedundantRows rows every thread computes them itself, into buffers of its
+// own, instead of one thread computing them while the others wait at a barrier (the same function on the same
+// inputs: the same bits in every copy); larger batches split the rows and meet at a barrier. q/k-norm, RoPE and
+// the KV write of a KV head are done by the thread that then runs that head's attention (a decode row only reads
+// its own sequence's keys; the page a decode token is written to is never shared, prefix caching shares only
+// full pages), so they need no barrier of their own. The region runs the kernels' pieces (parts.h), the very
+// code of the ops, each output row, panel and work item computed by one thread in the op's order, so the hidden
+// states and the KV cache are bit-identical to the ops' (and to the Python layer loop), whatever the batch and
+// the thread count.
+//
+// Other steps (prefill chunks, mixed steps) call the ops one after another as the Python layers do (models/
+// qwen3.py, layers/attention.py, layers/mlp.py), with the same arguments in the same order: each op opens its
+// own parallel region, which a many-row step amortizes.
+#include <omp.h>
 
+#include <chrono>
+#include <memory>
+#include <mutex>
 #include <vector>
 
+#include "ops.h"
+#include "parts.h"
+
 namespace qk {
+namespace {
 
 // Tensors of one layer in `layers`, kPerLayer each, in this order.
 enum LayerTensor : int64_t {
@@ -23,17 +43,44 @@ enum LayerTensor : int64_t {
   kPerLayer
 };
 
-// x [T, hidden] (the step's embedded tokens) -> the final-normed hidden states [T, hidden], as
-// Qwen3ForCausalLM.forward computes them; writes the step's K/V rows into k_caches / v_caches (one per layer).
-at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList layers, at::TensorList k_caches,
-                         at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin,
-                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& final_norm,
-                         int64_t H, int64_t KVH, double eps, double scale) {
+constexpr int64_t kMaxFusedRows = 64;   // decode steps of up to this many sequences take the one-region path
+constexpr int64_t kRedundantRows = 2;   // up to this many rows, every thread computes the row-wise ops itself
+constexpr int kMaxThreads = 256;
+constexpr int64_t kLine = 8;             // int64 counters per cache line
+
+// Optional time accounting of the region (decode_layers_profile): per thread, seconds in each phase.
+enum Phase : int {
+  kPrologue, kFork, kNormIn, kQkv, kQkvWait, kRope, kKvWrite, kAttn, kAttnWait, kQuantO, kO, kOWait, kNormPost, kGateUp,
+  kGateUpWait, kSilu, kDown, kDownWait, kFinal, kPhases
+};
+struct alignas(64) ProfRow {
+  double s[kPhases];
+};
+std::atomic<bool> g_prof_on{false};
+ProfRow g_prof[kMaxThreads];
+int64_t g_prof_steps = 0;
+int g_prof_threads = 0;
+std::mutex g_prof_mu;
+
+struct PhaseClock {
+  bool on;
+  ProfRow* row;
+  std::chrono::steady_clock::time_point t;
+  explicit PhaseClock(bool on_, ProfRow* r, std::chrono::steady_clock::time_point t0) : on(on_), row(r), t(t0) {}
+  void mark(Phase p) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    row->s[p] += std::chrono::duration<double>(now - t).count();
+    t = now;
+  }
+};
+
+at::Tensor decode_layers_ops(const at::Tensor& x_in, at::TensorList layers, at::TensorList k_caches,
+                             at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                             const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * kPerLayer && static_cast<int64_t>(v_caches.size()) == L,
-              "decode_layers: ", kPerLayer, " tensors and one K and V cache per layer expected");
-  TORCH_CHECK(x_in.dim() == 2, "decode_layers: x must be [T, hidden]");
   const int64_t T = x_in.size(0);
   at::Tensor x = x_in, residual;
   for (int64_t l = 0; l < L; ++l) {
@@ -59,6 +106,355 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList layers, at::Tens
                     w[kDownScale], w[kDownColsum]);
   }
   return std::get<0>(add_rms_norm(x, residual, final_norm, eps));
+}
+
+// One A8W8 linear of the region: its packed weight and the panels a thread takes at a time (a chunk).
+struct Lin {
+  const int8_t* w;
+  const float* scale;
+  const int32_t* colsum;
+  int64_t N, NP, KG, Kp, chunk;
+};
+
+// A linear's tensors as a8w8_linear would check them, for an input of K features; false if the region cannot
+// take it (the op path then runs, and raises its own error for a malformed weight).
+bool make_lin(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& colsum, int64_t K, int64_t N,
+              int nt, Lin& out) {
+  const int64_t P = parts::a8w8_panel(), G = parts::a8w8_group();
+  if (packed.scalar_type() != at::kChar || packed.dim() != 4 || !packed.is_contiguous() || packed.size(2) != P ||
+      packed.size(3) != G || scale.scalar_type() != at::kFloat || !scale.is_contiguous() || scale.dim() != 1 ||
+      scale.size(0) != N || colsum.scalar_type() != at::kInt || !colsum.is_contiguous() || colsum.numel() != N)
+    return false;
+  const int64_t NP = packed.size(0), KG = packed.size(1), Kp = KG * G;
+  if (Kp < K || Kp - K >= G || NP != (N + P - 1) / P) return false;
+  out = {packed.data_ptr<int8_t>(), scale.data_ptr<float>(), colsum.data_ptr<int32_t>(), N, NP, KG, Kp,
+         std::max<int64_t>(1, NP / (8 * nt))};   // a8w8_linear's chunk
+  return true;
+}
+
+// The step's buffers, kept per calling thread across calls and grown when a step needs more.
+struct Workspace {
+  std::vector<char> bytes;
+  std::unique_ptr<std::atomic<int64_t>[]> counters;
+  size_t n_counters = 0;
+  char* reserve(size_t n) {
+    if (bytes.size() < n + 64) bytes.resize(n + 64);
+    return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(bytes.data()) + 63) & ~uintptr_t{63});
+  }
+  std::atomic<int64_t>* reserve_counters(size_t n) {   // 64-byte aligned
+    if (n_counters < n + 8) {
+      counters.reset(new std::atomic<int64_t>[n + 8]);
+      n_counters = n + 8;
+    }
+    auto* c = reinterpret_cast<std::atomic<int64_t>*>((reinterpret_cast<uintptr_t>(counters.get()) + 63) & ~uintptr_t{63});
+    for (size_t i = 0; i < n; ++i) c[i].store(0, std::memory_order_relaxed);
+    return c;
+  }
+};
+
+struct Carve {   // offsets of 64-byte aligned pieces in one block
+  size_t off = 0;
+  size_t take(size_t n) {
+    const size_t o = off;
+    off += (n + 63) & ~size_t{63};
+    return o;
+  }
+};
+
+// Everything the region reads, checked and resolved to pointers before it starts (nothing in it may throw).
+template <typename T>
+struct Step {
+  int64_t L, T_, hid, H, KVH, D, I, Wqkv;
+  float eps;
+  const T* x_in;
+  std::vector<const T*> in_norm, post_norm, q_norm, k_norm;
+  std::vector<Lin> qkv, o, gate_up, down;
+  std::vector<T*> kc, vc;
+  const T* final_norm;
+  const int64_t* pos;
+  const int64_t* slots;
+  const float* cos_sin;
+  parts::AttnArgs attn;
+  T* out;
+  std::chrono::steady_clock::time_point t_entry;   // decode_layers' start (the profile's prologue)
+};
+
+template <typename T>
+void run_region(const Step<T>& s, int nt, Workspace& ws) {
+  const int64_t Tn = s.T_, hid = s.hid, H = s.H, KVH = s.KVH, D = s.D, I = s.I, W = s.Wqkv, HD = s.H * s.D;
+  const int64_t G = H / KVH;
+  const size_t ab = static_cast<size_t>(parts::a8w8_act_bytes());
+  const int64_t kp_max = std::max({s.qkv[0].Kp, s.o[0].Kp, s.gate_up[0].Kp, s.down[0].Kp});
+  const bool redundant = Tn <= kRedundantRows;
+  // Shared buffers, then one set per thread (each thread's on cache lines of its own).
+  Carve c;
+  const size_t o_qkv = c.take(Tn * W * sizeof(T)), o_q = c.take(Tn * HD * sizeof(T)),
+               o_att = c.take(Tn * HD * sizeof(T)), o_y = c.take(Tn * hid * sizeof(T)),
+               o_gu = c.take(Tn * 2 * I * sizeof(T)), o_x = c.take(Tn * hid * sizeof(T));
+  Carve per;
+  const size_t p_res = per.take(Tn * hid * sizeof(T)), p_hn = per.take(Tn * std::max(hid, HD) * sizeof(T)),
+               p_act = per.take(Tn * I * sizeof(T)), p_xu = per.take(Tn * kp_max * ab),
+               p_sc = per.take(Tn * sizeof(float)), p_k = per.take(D * sizeof(T));
+  const size_t shared_bytes = c.off, per_bytes = per.off;
+  const int sets = redundant ? nt : 1;   // row-split steps use set 0 as the shared one
+  char* base = ws.reserve(shared_bytes + per_bytes * std::max(sets, nt));
+  // Counters, each on a cache line of its own: per layer the attention items' counter, then per layer, GEMV and
+  // thread that thread's home chunks (front << 32 | back). A thread takes the chunks of its home from the front,
+  // one contiguous stretch of the weight per thread, then the others' from their backs: a thread slowed by the
+  // host (or a team smaller than asked for) takes fewer chunks instead of holding up the others at the barrier.
+  std::atomic<int64_t>* items_ctr = ws.reserve_counters(static_cast<size_t>(s.L * (1 + 4 * nt) * kLine));
+  std::atomic<int64_t>* homes = items_ctr + s.L * kLine;
+  for (int64_t l = 0; l < s.L; ++l) {
+    const Lin* lins[4] = {&s.qkv[l], &s.o[l], &s.gate_up[l], &s.down[l]};
+    for (int j = 0; j < 4; ++j) {
+      const int64_t chunks = (lins[j]->NP + lins[j]->chunk - 1) / lins[j]->chunk;
+      for (int t = 0; t < nt; ++t)
+        homes[((l * 4 + j) * nt + t) * kLine].store(((chunks * t / nt) << 32) | (chunks * (t + 1) / nt),
+                                                    std::memory_order_relaxed);
+    }
+  }
+  T* qkv = reinterpret_cast<T*>(base + o_qkv);
+  T* qb = reinterpret_cast<T*>(base + o_q);
+  T* att = reinterpret_cast<T*>(base + o_att);
+  T* yb = reinterpret_cast<T*>(base + o_y);
+  T* gu = reinterpret_cast<T*>(base + o_gu);
+  T* xb = reinterpret_cast<T*>(base + o_x);
+  char* per_base = base + shared_bytes;
+
+  const bool prof = g_prof_on.load(std::memory_order_relaxed);
+  const auto t_fork = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+    PhaseClock clk(prof, g_prof + tid, t_fork);
+    clk.mark(kFork);
+    if (prof && tid == 0) {
+      g_prof[0].s[kPrologue] += std::chrono::duration<double>(t_fork - s.t_entry).count();
+      ++g_prof_steps;
+      g_prof_threads = std::max(g_prof_threads, team);
+    }
+    // this thread's buffers (redundant) or the shared set and this thread's rows (split)
+    char* mine = per_base + per_bytes * (redundant ? tid : 0);
+    char* own = per_base + per_bytes * tid;   // always this thread's (the rotated key row)
+    T* res = reinterpret_cast<T*>(mine + p_res);
+    T* hn = reinterpret_cast<T*>(mine + p_hn);
+    T* act = reinterpret_cast<T*>(mine + p_act);
+    char* xu = mine + p_xu;
+    float* sc = reinterpret_cast<float*>(mine + p_sc);
+    T* krow = reinterpret_cast<T*>(own + p_k);
+    const int64_t r_lo = redundant ? 0 : Tn * tid / team, r_hi = redundant ? Tn : Tn * (tid + 1) / team;
+    auto rows_done = [&](Phase p) {
+      if (!redundant) {
+#pragma omp barrier
+      }
+      clk.mark(p);
+    };
+    auto take = [](std::atomic<int64_t>& a, bool front, int64_t& c) {   // a chunk from the front or the back
+      int64_t v = a.load(std::memory_order_relaxed);
+      for (;;) {
+        const int64_t f = v >> 32, b = v & 0xffffffff;
+        if (f >= b) return false;
+        const int64_t nv = front ? (((f + 1) << 32) | b) : ((f << 32) | (b - 1));
+        if (a.compare_exchange_weak(v, nv, std::memory_order_relaxed)) {
+          c = front ? f : b - 1;
+          return true;
+        }
+      }
+    };
+    auto gemv = [&](const Lin& lin, std::atomic<int64_t>* home, T* y, Phase p) {
+      auto run = [&](int64_t ch) {
+        parts::a8w8_panels(xu, sc, Tn, lin.Kp, lin.w, lin.KG, lin.scale, lin.colsum, lin.N, ch * lin.chunk,
+                           std::min(lin.NP, (ch + 1) * lin.chunk), y, lin.N);
+      };
+      int64_t ch;
+      while (take(home[tid * kLine], true, ch)) run(ch);
+      for (int k = 1; k < nt; ++k)
+        while (take(home[(tid + k) % nt * kLine], false, ch)) run(ch);
+      clk.mark(p);
+#pragma omp barrier
+      clk.mark(static_cast<Phase>(p + 1));   // the wait for the others' panels
+    };
+    for (int64_t l = 0; l < s.L; ++l) {
+      std::atomic<int64_t>* home = homes + l * 4 * nt * kLine;   // this layer's four GEMVs
+      std::atomic<int64_t>& items_next = items_ctr[l * kLine];
+      const T* res_in = l == 0 ? s.x_in : res;   // layer 0: the residual is the embedding
+      // input norm and the qkv activations
+      for (int64_t r = r_lo; r < r_hi; ++r) {
+        if (l == 0) parts::rms_norm_row(s.x_in + r * hid, s.in_norm[l], hn + r * hid, hid, s.eps);
+        else parts::add_rms_norm_row(xb + r * hid, res + r * hid, s.in_norm[l], hn + r * hid, res + r * hid, hid, s.eps);
+        sc[r] = parts::a8w8_quantize_row(hn + r * hid, hid, s.qkv[l].Kp, xu + r * s.qkv[l].Kp * ab);
+      }
+      rows_done(kNormIn);
+      gemv(s.qkv[l], home, qkv, kQkv);
+      // per (sequence, KV head): q/k-norm + RoPE of its heads, its K/V row into the cache, its attention
+      const int64_t items = Tn * KVH;
+      for (int64_t it = items_next.fetch_add(1, std::memory_order_relaxed); it < items;
+           it = items_next.fetch_add(1, std::memory_order_relaxed)) {
+        const int64_t t = it / KVH, g = it % KVH;   // decode: sequence t's one token is row t
+        const T* row = qkv + t * W;
+        const float* cosv = s.cos_sin + s.pos[t] * D;
+        for (int64_t h = g * G; h < (g + 1) * G; ++h)
+          parts::qk_norm_rope_head(row + h * D, s.q_norm[l], cosv, D, s.eps, qb + (t * H + h) * D);
+        parts::qk_norm_rope_head(row + (H + g) * D, s.k_norm[l], cosv, D, s.eps, krow);
+        clk.mark(kRope);
+        if (s.slots[t] >= 0)
+          parts::write_kv_row(krow, row + (H + KVH + g) * D, s.kc[l], s.vc[l], s.slots[t], g, KVH, D, s.attn.S,
+                              s.attn.KW);
+        clk.mark(kKvWrite);
+        parts::dense_attention_item(s.attn, static_cast<int32_t>(t), static_cast<int32_t>(g), static_cast<int32_t>(t),
+                                    1, qb, s.kc[l], s.vc[l], att);
+        clk.mark(kAttn);
+      }
+#pragma omp barrier
+      clk.mark(kAttnWait);
+      for (int64_t r = r_lo; r < r_hi; ++r)
+        sc[r] = parts::a8w8_quantize_row(att + r * HD, HD, s.o[l].Kp, xu + r * s.o[l].Kp * ab);
+      rows_done(kQuantO);
+      gemv(s.o[l], home + nt * kLine, yb, kO);
+      for (int64_t r = r_lo; r < r_hi; ++r) {
+        parts::add_rms_norm_row(yb + r * hid, res_in + r * hid, s.post_norm[l], hn + r * hid, res + r * hid, hid, s.eps);
+        sc[r] = parts::a8w8_quantize_row(hn + r * hid, hid, s.gate_up[l].Kp, xu + r * s.gate_up[l].Kp * ab);
+      }
+      rows_done(kNormPost);
+      gemv(s.gate_up[l], home + 2 * nt * kLine, gu, kGateUp);
+      for (int64_t r = r_lo; r < r_hi; ++r) {
+        parts::silu_mul_row(gu + r * 2 * I, I, act + r * I);
+        sc[r] = parts::a8w8_quantize_row(act + r * I, I, s.down[l].Kp, xu + r * s.down[l].Kp * ab);
+      }
+      rows_done(kSilu);
+      gemv(s.down[l], home + 3 * nt * kLine, xb, kDown);
+    }
+    // the final norm: the first thread (redundant rows) or each its rows
+    if (!redundant || tid == 0)
+      for (int64_t r = r_lo; r < r_hi; ++r)
+        parts::add_rms_norm_row(xb + r * hid, res + r * hid, s.final_norm, s.out + r * hid, res + r * hid, hid, s.eps);
+    clk.mark(kFinal);
+  }
+}
+
+template <typename T>
+const T* ptr_of(const at::Tensor& t, int64_t numel, at::ScalarType dt, bool& ok) {
+  ok = ok && t.scalar_type() == dt && t.is_contiguous() && t.numel() == numel;
+  return ok ? static_cast<const T*>(t.data_ptr()) : nullptr;
+}
+
+// The one-region step, or an undefined tensor where it does not apply (then the op path runs).
+at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, at::TensorList k_caches,
+                                at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale) {
+  const auto t_entry = std::chrono::steady_clock::now();
+  const int64_t L = static_cast<int64_t>(k_caches.size()), Tn = x_in.size(0), hid = x_in.size(1);
+  const auto dt = x_in.scalar_type();
+  if (L == 0 || Tn == 0 || Tn > kMaxFusedRows || (dt != at::kFloat && dt != at::kBFloat16) || !x_in.is_contiguous() ||
+      H <= 0 || KVH <= 0 || H % KVH != 0 || H / KVH > 32)
+    return {};
+  // a decode step: one query token per sequence (query_start_loc = 0, 1, ..., T)
+  if (query_start_loc.scalar_type() != at::kInt || query_start_loc.numel() != Tn + 1 || seq_lens.numel() != Tn ||
+      seq_lens.scalar_type() != at::kInt || block_tables.scalar_type() != at::kInt || block_tables.dim() != 2 ||
+      block_tables.size(0) < Tn || !block_tables.is_contiguous() || positions.scalar_type() != at::kLong ||
+      positions.numel() != Tn || slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != Tn ||
+      !query_start_loc.is_contiguous() || !seq_lens.is_contiguous() || !positions.is_contiguous() ||
+      !slot_mapping.is_contiguous() || cos_sin.scalar_type() != at::kFloat || !cos_sin.is_contiguous() ||
+      cos_sin.dim() != 2)
+    return {};
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  for (int64_t b = 0; b <= Tn; ++b)
+    if (qsl[b] != b) return {};
+  const int64_t D = cos_sin.size(1);
+  const at::Tensor& kc0 = k_caches[0];
+  if (D > 256 || D % 2 != 0 || kc0.dim() != 5 || kc0.size(1) != KVH || kc0.size(3) != D) return {};
+  const int64_t KW = kc0.size(4), S = kc0.size(2) * KW;
+  if (KW != (S % 32 == 0 ? 32 : 16)) return {};
+  const int nt = std::max(1, std::min(at::get_num_threads(), kMaxThreads));
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < Tn; ++t)
+    if (pos[t] < 0 || pos[t] >= cos_sin.size(0)) return {};
+  auto run = [&](auto tag) -> at::Tensor {
+    using T = decltype(tag);
+    Step<T> s;
+    s.t_entry = t_entry;
+    s.L = L, s.T_ = Tn, s.hid = hid, s.H = H, s.KVH = KVH, s.D = D, s.eps = static_cast<float>(eps);
+    s.x_in = static_cast<const T*>(x_in.data_ptr());
+    s.Wqkv = (H + 2 * KVH) * D;
+    const at::Tensor& gu_scale = layers[kGateUpScale];
+    if (gu_scale.dim() != 1 || gu_scale.size(0) % 2 != 0) return {};
+    s.I = gu_scale.size(0) / 2;
+    bool ok = true;
+    for (auto* v : {&s.in_norm, &s.post_norm, &s.q_norm, &s.k_norm}) v->reserve(L);
+    for (auto* v : {&s.qkv, &s.o, &s.gate_up, &s.down}) v->reserve(L);
+    s.kc.reserve(L), s.vc.reserve(L);
+    for (int64_t l = 0; l < L && ok; ++l) {
+      const at::Tensor* w = layers.data() + l * kPerLayer;
+      s.in_norm.push_back(ptr_of<T>(w[kInputNorm], hid, dt, ok));
+      s.post_norm.push_back(ptr_of<T>(w[kPostNorm], hid, dt, ok));
+      s.q_norm.push_back(ptr_of<T>(w[kQNorm], D, dt, ok));
+      s.k_norm.push_back(ptr_of<T>(w[kKNorm], D, dt, ok));
+      Lin a{}, b{}, c{}, d{};
+      ok = ok && make_lin(w[kQkvPacked], w[kQkvScale], w[kQkvColsum], hid, s.Wqkv, nt, a) &&
+           make_lin(w[kOPacked], w[kOScale], w[kOColsum], H * D, hid, nt, b) &&
+           make_lin(w[kGateUpPacked], w[kGateUpScale], w[kGateUpColsum], hid, 2 * s.I, nt, c) &&
+           make_lin(w[kDownPacked], w[kDownScale], w[kDownColsum], s.I, hid, nt, d);
+      s.qkv.push_back(a), s.o.push_back(b), s.gate_up.push_back(c), s.down.push_back(d);
+      const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
+      ok = ok && kc.scalar_type() == dt && vc.scalar_type() == dt && kc.is_contiguous() && vc.is_contiguous() &&
+           kc.sizes() == kc0.sizes() && vc.dim() == 4 && vc.size(0) == kc.size(0) && vc.size(1) == KVH &&
+           vc.size(2) == S && vc.size(3) == D;
+      s.kc.push_back(ok ? static_cast<T*>(kc.data_ptr()) : nullptr);
+      s.vc.push_back(ok ? static_cast<T*>(vc.data_ptr()) : nullptr);
+    }
+    s.final_norm = ptr_of<T>(final_norm, hid, dt, ok);
+    if (!ok) return {};
+    s.pos = pos;
+    s.slots = slot_mapping.data_ptr<int64_t>();
+    s.cos_sin = cos_sin.data_ptr<float>();
+    s.attn = {qsl, seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(), block_tables.size(1), H, KVH, D,
+              S, KW, static_cast<float>(scale)};
+    at::Tensor out = at::empty({Tn, hid}, x_in.options());
+    s.out = static_cast<T*>(out.data_ptr());
+    static thread_local Workspace ws;
+    run_region(s, nt, ws);
+    return out;
+  };
+  return dt == at::kFloat ? run(float{}) : run(c10::BFloat16{});
+}
+
+}  // namespace
+
+// Seconds per thread and phase of the one-region steps since the last call ([threads, phases + 1], the last
+// column the number of steps in row 0), then resets; `enable` switches the accounting on or off from now on.
+at::Tensor decode_layers_profile(bool enable) {
+  std::lock_guard<std::mutex> lock(g_prof_mu);
+  const int n = std::max(1, g_prof_threads);
+  auto out = at::zeros({n, kPhases + 1}, at::kDouble);
+  double* o = out.data_ptr<double>();
+  for (int t = 0; t < n; ++t)
+    for (int p = 0; p < kPhases; ++p) o[t * (kPhases + 1) + p] = g_prof[t].s[p];
+  o[kPhases] = static_cast<double>(g_prof_steps);
+  for (auto& r : g_prof) r = ProfRow{};
+  g_prof_steps = 0;
+  g_prof_threads = 0;
+  g_prof_on.store(enable);
+  return out;
+}
+
+// x [T, hidden] (the step's embedded tokens) -> the final-normed hidden states [T, hidden], as
+// Qwen3ForCausalLM.forward computes them; writes the step's K/V rows into k_caches / v_caches (one per layer).
+at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList layers, at::TensorList k_caches,
+                         at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& final_norm,
+                         int64_t H, int64_t KVH, double eps, double scale) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * kPerLayer && static_cast<int64_t>(v_caches.size()) == L,
+              "decode_layers: ", kPerLayer, " tensors and one K and V cache per layer expected");
+  TORCH_CHECK(x_in.dim() == 2, "decode_layers: x must be [T, hidden]");
+  at::Tensor out = decode_layers_region(x_in, layers, k_caches, v_caches, positions, cos_sin, slot_mapping,
+                                        block_tables, query_start_loc, seq_lens, final_norm, H, KVH, eps, scale);
+  if (out.defined()) return out;
+  return decode_layers_ops(x_in, layers, k_caches, v_caches, positions, cos_sin, slot_mapping, block_tables,
+                           query_start_loc, seq_lens, final_norm, H, KVH, eps, scale);
 }
 
 }  // namespace qk

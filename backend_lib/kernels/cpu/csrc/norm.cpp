@@ -1,5 +1,6 @@
 // RMSNorm (optionally fused with the residual add) for the CPU, row by row and batch invariant.
 // Numerics follow Qwen3's RMSNorm: normalize in fp32, round to the activation dtype, then scale.
+#include "parts.h"
 #include "vec.h"
 
 namespace qk {
@@ -74,6 +75,69 @@ inline void add_row(const T* x, const T* r, T* h, int64_t D) {
 
 }  // namespace
 
+namespace parts {
+
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps) {
+  scale_row(x, w, out, D, inv_rms(x, D, eps));
+}
+
+template <typename T>
+void add_rms_norm_row(const T* x, const T* r, const T* w, T* out, T* h, int64_t D, float eps) {
+  add_row(x, r, h, D);
+  scale_row(h, w, out, D, inv_rms(h, D, eps));
+}
+
+template <typename T>
+void qk_norm_rope_head(const T* row, const T* w, const float* cosv, int64_t D, float eps, T* dst) {
+  alignas(64) T normed[512];
+  const int64_t half = D / 2;
+  const float* sinv = cosv + half;
+  scale_row(row, w, normed, D, inv_rms(row, D, eps));
+  for (int64_t i = 0; i < half; ++i) {   // rotate-half in fp32, one rounding
+    const float x1 = to_f(normed[i]), x2 = to_f(normed[i + half]);
+    dst[i] = from_f<T>(x1 * cosv[i] - x2 * sinv[i]);
+    dst[i + half] = from_f<T>(x2 * cosv[i] + x1 * sinv[i]);
+  }
+}
+
+template <typename T>
+void silu_mul_row(const T* g, int64_t I, T* o) {
+  const T* u = g + I;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= I; i += 16) {
+    const __m512 gv = load16x(g + i);
+    const __m512 sv = round_to(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), g);
+    store16x(o + i, _mm512_mul_ps(sv, load16x(u + i)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= I; i += 8) {
+    const __m256 gv = load8x(g + i);
+    const __m256 sv = round_to(_mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)))), g);
+    store8x(o + i, _mm256_mul_ps(sv, load8x(u + i)));
+  }
+#endif
+  for (; i < I; ++i) {
+    const float gv = to_f(g[i]);
+    const float s = to_f(from_f<T>(gv / (1.0f + std::exp(-gv))));   // tails only
+    o[i] = from_f<T>(s * to_f(u[i]));
+  }
+}
+
+#define QK_NORM_PARTS(T)                                                                         \
+  template void rms_norm_row<T>(const T*, const T*, T*, int64_t, float);                        \
+  template void add_rms_norm_row<T>(const T*, const T*, const T*, T*, T*, int64_t, float);      \
+  template void qk_norm_rope_head<T>(const T*, const T*, const float*, int64_t, float, T*);     \
+  template void silu_mul_row<T>(const T*, int64_t, T*);
+QK_NORM_PARTS(float)
+QK_NORM_PARTS(c10::BFloat16)
+#undef QK_NORM_PARTS
+
+}  // namespace parts
+
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   check_float_dtype(x_in, "x");
   TORCH_CHECK(w_in.scalar_type() == x_in.scalar_type(), "rms_norm: weight dtype must match x");
@@ -87,8 +151,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        scale_row(xp + r * D, wp, op + r * D, D, inv_rms(xp + r * D, D, static_cast<float>(eps)));
+      for (int64_t r = r0; r < r1; ++r) parts::rms_norm_row(xp + r * D, wp, op + r * D, D, static_cast<float>(eps));
     });
   });
   return out;
@@ -113,10 +176,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     scalar_t* op = out.data_ptr<scalar_t>();
     scalar_t* hp = h.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t row = r0; row < r1; ++row) {
-        add_row(xp + row * D, rp + row * D, hp + row * D, D);
-        scale_row(hp + row * D, wp, op + row * D, D, inv_rms(hp + row * D, D, static_cast<float>(eps)));
-      }
+      for (int64_t row = r0; row < r1; ++row)
+        parts::add_rms_norm_row(xp + row * D, rp + row * D, wp, op + row * D, hp + row * D, D, static_cast<float>(eps));
     });
   });
   return {out, h};
@@ -138,7 +199,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& qk
   auto q = at::empty({T, H, D}, qkv.options());
   auto k = at::empty({T, KVH, D}, qkv.options());
   auto v = at::empty({T, KVH, D}, qkv.options());
-  const int64_t half = D / 2;
   const int64_t* pp = pos.data_ptr<int64_t>();
   const float* cs = cos_sin.data_ptr<float>();
   QK_DISPATCH_FLOAT(qkv.scalar_type(), "qk_norm_rope", [&] {
@@ -150,20 +210,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& qk
     T_* ko = k.data_ptr<T_>();
     T_* vo = v.data_ptr<T_>();
     at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
-      alignas(64) T_ normed[512];
       for (int64_t t = t0; t < t1; ++t) {
         const float* cosv = cs + pp[t] * D;
-        const float* sinv = cosv + half;
         for (int64_t hh = 0; hh < H + KVH; ++hh) {
           const bool is_q = hh < H;
-          const T_* row = src + t * W + hh * D;
           T_* dst = is_q ? qo + (t * H + hh) * D : ko + (t * KVH + hh - H) * D;
-          scale_row(row, is_q ? qw : kw, normed, D, inv_rms(row, D, static_cast<float>(eps)));
-          for (int64_t i = 0; i < half; ++i) {   // rotate-half in fp32, one rounding
-            const float x1 = to_f(normed[i]), x2 = to_f(normed[i + half]);
-            dst[i] = from_f<T_>(x1 * cosv[i] - x2 * sinv[i]);
-            dst[i + half] = from_f<T_>(x2 * cosv[i] + x1 * sinv[i]);
-          }
+          parts::qk_norm_rope_head(src + t * W + hh * D, is_q ? qw : kw, cosv, D, static_cast<float>(eps), dst);
         }
         std::memcpy(vo + t * KVH * D, src + t * W + (H + KVH) * D, KVH * D * sizeof(T_));
       }
@@ -184,31 +236,7 @@ at::Tensor silu_mul(const at::Tensor& x_in) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const scalar_t* g = xp + r * 2 * I;
-        const scalar_t* u = g + I;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= I; i += 16) {
-          const __m512 gv = load16x(g + i);
-          const __m512 sv = round_to(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), g);
-          store16x(op + r * I + i, _mm512_mul_ps(sv, load16x(u + i)));
-        }
-#elif defined(__AVX2__) && defined(__FMA__)
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; i + 8 <= I; i += 8) {
-          const __m256 gv = load8x(g + i);
-          const __m256 sv = round_to(_mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)))), g);
-          store8x(op + r * I + i, _mm256_mul_ps(sv, load8x(u + i)));
-        }
-#endif
-        for (; i < I; ++i) {
-          const float gv = to_f(g[i]);
-          const float s = to_f(from_f<scalar_t>(gv / (1.0f + std::exp(-gv))));   // tails only
-          op[r * I + i] = from_f<scalar_t>(s * to_f(u[i]));
-        }
-      }
+      for (int64_t r = r0; r < r1; ++r) parts::silu_mul_row(xp + r * 2 * I, I, op + r * I);
     });
   });
   return out;

@@ -30,4 +30,5 @@ TORCH_LIBRARY(qwen3_cpu, m) {
         "Tensor cos_sin, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor final_norm, int H, int KVH, float eps, float scale) -> Tensor",
         &qk::decode_layers);
+  m.def("decode_layers_profile(bool enable) -> Tensor", &qk::decode_layers_profile);
 }

@@ -37,4 +37,5 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList layers, at::TensorL
                          const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                          const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale);
+at::Tensor decode_layers_profile(bool enable);
 }  // namespace qk
