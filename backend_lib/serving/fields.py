@@ -138,8 +138,10 @@ def markdown() -> str:
         "",
         "## Input tensors",
         "",
-        "Declared by the models (`backend_lib/serving/schema.py`); all optional. Scalar inputs may be shaped "
-        "`[1]` or, as TensorRT-LLM clients send them, `[1, 1]`.",
+        "Declared by the models (`backend_lib/serving/schema.py`); all optional. Scalar inputs are shaped `[1]` "
+        "(vllm_backend's shapes); with `max_batch_size: 1` in the model's config.pbtxt they are `[1, 1]` and "
+        "lists `[1, n]`, as TensorRT-LLM clients (Triton's OpenAI frontend in its TensorRT-LLM mode) send them "
+        "(docs/wire.md).",
         "",
         "| input | type | what it does |",
         "|---|---|---|",
