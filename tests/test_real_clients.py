@@ -26,8 +26,10 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -284,11 +286,23 @@ def genai_perf(triton, a8w8_ckpt, tmp_path, *args) -> tuple[dict, dict]:
     out = tmp_path / "genai_perf"
     env = offline_env(tmp_path, own_venv=True)
     env["PATH"] = f"{perf_analyzer.parent}{os.pathsep}{env['PATH']}"   # genai-perf runs `perf_analyzer`
-    run([tool("genai-perf"), "profile", "-m", "qwen3_a8w8", *args, "--tokenizer", a8w8_ckpt,
-         "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev", "0",
-         "--output-tokens-mean", "8", "--output-tokens-stddev", "0", "--num-dataset-entries", "4",
-         "--request-count", "4", "--concurrency", "2", "--warmup-request-count", "0", "--random-seed", "1",
-         "--artifact-dir", out], env, cwd=tmp_path)
+    cmd = [tool("genai-perf"), "profile", "-m", "qwen3_a8w8", *args, "--tokenizer", a8w8_ckpt, "--verbose",
+           "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev", "0",
+           "--output-tokens-mean", "8", "--output-tokens-stddev", "0", "--num-dataset-entries", "4",
+           "--request-count", "4", "--concurrency", "2", "--warmup-request-count", "0", "--random-seed", "1",
+           "--artifact-dir", out]
+    proc = subprocess.run([str(c) for c in cmd], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    exports = glob.glob(str(out / "*" / "profile_export.json"))
+    if proc.returncode != 0 and exports and not Path(exports[0]).read_text():
+        # Seen once in CI (1 run of 2, the first genai-perf call of the run): perf_analyzer 2.51 ended without
+        # writing its export and genai-perf failed reading the empty file. The second attempt must succeed; the
+        # first one's output (--verbose: perf_analyzer's own) is kept as a warning so the cause can be read.
+        warnings.warn(f"genai-perf: perf_analyzer wrote no export on the first attempt; retrying.\n"
+                      f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        shutil.rmtree(out)
+        proc = subprocess.run([str(c) for c in cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=240)
+    assert proc.returncode == 0, f"{cmd[0]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     [export] = glob.glob(str(out / "*" / "profile_export_genai_perf.json"))
     [csv] = glob.glob(str(out / "*" / "profile_export_genai_perf.csv"))
     assert re.search(r"^Request Count \(count\),4\.00$", Path(csv).read_text(), re.M)
