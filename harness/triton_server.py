@@ -126,13 +126,18 @@ class TritonServer:
 
     def wait_until(self, condition, seconds: float, poll: float = 0.05) -> bool:
         """Polls condition() (e.g. a metric reaching a value; gauges refresh every 0.1 s) until it holds or
-        `seconds` pass; returns whether it held."""
+        `seconds` pass; returns whether it held. A connection error counts as not yet (seen in CI: Triton's
+        metrics port refused a connection just after the server reported ready)."""
         deadline = time.time() + seconds
-        while not condition():
+        while True:
+            try:
+                if condition():
+                    return True
+            except OSError:   # the metrics port may start listening a moment after the server is ready
+                pass
             if time.time() >= deadline:
                 return False
             time.sleep(poll)
-        return True
 
     def finished_total(self, model: str, reason: str) -> float:
         """vllm:request_success_total for one finish reason; 0 before the first (the series appears with it)."""
