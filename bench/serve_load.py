@@ -53,9 +53,12 @@ def demo_checkpoint(size: str) -> Path:
     return path
 
 
-def wait_http(url: str, seconds: float) -> None:
+def wait_http(url: str, seconds: float, proc: subprocess.Popen | None = None) -> None:
+    """Until `url` answers 200; with `proc`, fails at once if that server process has exited."""
     deadline = time.time() + seconds
     while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited ({proc.returncode})")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:

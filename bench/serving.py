@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import llamacpp
+from .serve_load import wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "qwen3_a8w8"
@@ -103,23 +104,6 @@ def run_load(base_url: str, model: str, prompts: list[list[int]], concurrency: i
     wall = time.perf_counter() - t0
     return {"output_tokens_per_s": total[0] / wall, "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
             "completion_tokens": total[0], "wall_s": wall}
-
-
-def wait_http(url: str, seconds: float, proc: subprocess.Popen | None = None) -> None:
-    import urllib.request
-
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited ({proc.returncode})")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {seconds:.0f} s")
 
 
 def start_ours(ckpt: Path, bf16: Path | None, slots: int, ctx: int, out_dir: Path):
