@@ -1,0 +1,80 @@
+"""Tensor parallel (backend_lib/parallel): TP = 2 over torch.distributed's gloo, two rank processes on 127.0.0.1,
+against TP = 1 on the same checkpoint. A8W8 must give TP = 1's bits (the logits' sha256 at every step, hence the
+greedy ids), alone and in a batch; a float checkpoint must give the same bits on every run and alone as batched."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from backend_lib.parallel.shard import shard_heads, split
+
+PROMPTS = ["9707,11,1879,0", "3,4,5", "151644,872,198,9707"]
+DTYPES = "float32,bfloat16"
+
+
+def run_check(checkpoint, tp: int, *extra: str) -> dict:
+    args = [sys.executable, "-m", "backend_lib.parallel.check", "--checkpoint", str(checkpoint), "--tp", str(tp),
+            "--max-tokens", "6", *extra]
+    for p in PROMPTS:
+        args += ["--prompt-ids", p]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def alone_equals_batched(run: dict) -> None:
+    ids, digests = run["batched"]
+    assert [a[0][0] for a in run["alone"]] == ids
+    assert [a[1][0] for a in run["alone"]] == digests
+
+
+def test_a8w8_tp2_computes_tp1s_bits(a8w8_ckpt):
+    one = run_check(a8w8_ckpt, 1, "--dtype", DTYPES, "--layer-loop")
+    two = run_check(a8w8_ckpt, 2, "--dtype", DTYPES)
+    assert two["tp"] == 2
+    for dtype in DTYPES.split(","):
+        assert two[dtype] == one[dtype], dtype       # ids and the logits' bits of every step, alone and batched
+        alone_equals_batched(two[dtype][0])
+        assert len(set(two[dtype][0]["batched"][0][0])) > 1   # the random model does not collapse into one token
+
+
+def test_float_tp2_is_deterministic_and_batch_invariant(bf16_ckpt):
+    runs = run_check(bf16_ckpt, 2, "--dtype", "bfloat16", "--repeat", "2")["bfloat16"]
+    assert runs[0] == runs[1]
+    alone_equals_batched(runs[0])
+
+
+def test_heads_split_with_kv_heads_replicated_when_fewer_than_ranks():
+    s = shard_heads(16, 8, 1, 2)
+    assert (s.heads, s.kv_heads) == (slice(8, 16), slice(4, 8))
+    # 4 query heads per KV head; 8 ranks over 2 KV heads: ranks 0-3 read KV head 0, ranks 4-7 KV head 1
+    assert [shard_heads(16, 2, r, 8).kv_heads for r in range(8)] == [slice(0, 1)] * 4 + [slice(1, 2)] * 4
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        shard_heads(6, 2, 0, 4)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        shard_heads(12, 3, 0, 2)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        split(3072 + 1, 0, 2, "intermediate_size")
+
+
+def test_a_rank_that_fails_fails_the_run_naming_it(tmp_path):
+    from backend_lib.parallel.check import launch
+
+    with pytest.raises(RuntimeError, match="rank 0 exited"):
+        launch(["--checkpoint", str(tmp_path / "missing"), "--tp", "2", "--prompt-ids", "1,2"], 2, timeout_s=120)
+
+
+def test_a_rank_killed_mid_run_fails_the_run_and_leaves_no_rank(a8w8_ckpt, monkeypatch):
+    """Rank 1 dies (SIGKILL from its own fault hook) after loading: rank 0 must not wait in its collective."""
+    import time
+
+    from backend_lib.parallel.check import launch
+
+    monkeypatch.setenv("QWEN3_TP_DIE_RANK", "1")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited with -9"):
+        launch(["--checkpoint", str(a8w8_ckpt), "--tp", "2", "--prompt-ids", "1,2"], 2, timeout_s=240)
+    assert time.monotonic() - t0 < 120
