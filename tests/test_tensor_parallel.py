@@ -78,3 +78,70 @@ def test_a_rank_killed_mid_run_fails_the_run_and_leaves_no_rank(a8w8_ckpt, monke
     with pytest.raises(RuntimeError, match="rank 1 exited with -9"):
         launch(["--checkpoint", str(a8w8_ckpt), "--tp", "2", "--prompt-ids", "1,2"], 2, timeout_s=240)
     assert time.monotonic() - t0 < 120
+
+
+# ----- the engine with tensor_parallel_size: 2 (rank 0 in this process, rank 1 a worker it starts) -----------
+
+ENGINE_PROMPTS = [[9707, 11, 1879, 0], [3, 4, 5], [151644, 872, 198, 9707, 11, 1879, 0, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                  11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+def engine_ids(engine, seeded: bool) -> list[list[int]]:
+    from backend_lib.sampling.params import SamplingParams
+
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=12, ignore_eos=True) if seeded
+              else SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for i in range(len(ENGINE_PROMPTS))]
+    batched = [r["output_ids"] for r in engine.generate(ENGINE_PROMPTS, params)]
+    alone = [engine.generate([p], [q])[0]["output_ids"] for p, q in zip(ENGINE_PROMPTS, params)]
+    assert alone == batched
+    return batched
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "tq"])
+def test_the_engine_at_tp2_gives_tp1s_greedy_and_seeded_ids(a8w8_ckpt, kv_cache):
+    from helpers import make_engine
+
+    one = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache=kv_cache)
+    want = engine_ids(one, False), engine_ids(one, True)
+    del one
+    two = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache=kv_cache, tensor_parallel_size=2, num_threads=1)
+    try:
+        assert (engine_ids(two, False), engine_ids(two, True)) == want
+        # the same prompt again: its full pages come from the prefix cache (and the partial one by copy, on both)
+        assert engine_ids(two, False) == want[0]
+        assert two.stats.prefix_cache_hits > 0
+    finally:
+        two.runner.tp.close()
+
+
+def test_a_dead_rank_fails_the_step_and_the_next_ones_naming_it(a8w8_ckpt):
+    from helpers import make_engine
+
+    from backend_lib.parallel.runtime import RankFailure
+    from backend_lib.sampling.params import SamplingParams
+
+    engine = make_engine(a8w8_ckpt, dtype="bfloat16", tensor_parallel_size=2, num_threads=1)
+    sup = engine.runner.tp
+    try:
+        assert engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))[0]["finish_reason"]
+        sup.procs[0].kill()
+        sup.procs[0].wait()
+        engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
+        with pytest.raises(RankFailure, match="rank 1 exited with -9") as info:
+            engine.step()
+        (out,) = info.value.outputs
+        assert out.finish_reason == "error" and "rank 1 exited" in out.error
+    finally:
+        sup.close(1.0)
+    assert all(p.poll() is not None for p in sup.procs)
+
+
+def test_tensor_parallel_size_is_validated_naming_it(a8w8_ckpt):
+    from backend_lib.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(checkpoint=str(a8w8_ckpt), tensor_parallel_size=0).validate()
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 with enable_lora"):
+        EngineConfig(checkpoint=str(a8w8_ckpt), tensor_parallel_size=2, enable_lora=True).validate()
+    with pytest.raises(ValueError, match="tensor_parallel_size: 'x' is not an integer"):
+        EngineConfig.from_params({"checkpoint": str(a8w8_ckpt), "tensor_parallel_size": "x"})

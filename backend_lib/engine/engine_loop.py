@@ -156,7 +156,12 @@ class EngineLoop:
                     outputs = engine.step()
                 except Exception as exc:  # scheduler-level fault: fail everything in flight, keep serving
                     log.exception("engine step raised; failing all in-flight requests")
-                    outputs = engine.abort_all("error", f"engine fault: {exc}")
+                    outputs = getattr(exc, "outputs", []) + engine.abort_all("error", f"engine fault: {exc}")
+                    if getattr(exc, "fatal", False):   # nothing can step again: the thread ends (the model dies)
+                        for out in outputs:
+                            self._deliver(out)
+                        self._stopping = True
+                        raise
                 for out in outputs:
                     self._deliver(out)
             engine.publish_stats()

@@ -188,15 +188,19 @@ class LLMEngine:
                 # Nothing fits even into an empty pool: cannot happen with a validated pool, but never spin.
                 return self.abort_all("error", "KV cache too small for the waiting request")
             return []
-        for src, dst in self.scheduler.take_page_copies():   # partial prompt pages taken by copy (scheduler)
-            self.runner.kv_cache.copy_page(src, dst)
-            self.block_manager.unpin(src)
         try:
+            for src, dst in self.scheduler.take_page_copies():   # partial prompt pages taken by copy (scheduler)
+                self.runner.kv_cache.copy_page(src, dst)
+                self.block_manager.unpin(src)
             results = self.runner.execute(plan)
         except Exception as exc:  # a fault in the forward: fail this step's requests, keep serving
             self.publish_stats(num_failed_steps=1)
             log.exception("engine step failed; failing %d request(s)", len(plan))
-            return [self._finish(seq, "error", f"engine step failed: {exc}") for seq, _ in plan]
+            failed = [self._finish(seq, "error", f"engine step failed: {exc}") for seq, _ in plan]
+            if getattr(exc, "fatal", False):   # the engine cannot step again (a tensor-parallel rank is gone)
+                exc.outputs = failed
+                raise
+            return failed
         for seq, n in plan:
             seq.num_computed += n
             self.scheduler.cache_full_pages(seq)

@@ -43,13 +43,13 @@ class TPGroup:
         return cls(rank, size, dist.group.WORLD)
 
     @classmethod
-    def from_env(cls, device="cpu", env=os.environ) -> "TPGroup":
+    def from_env(cls, device="cpu", env=os.environ, timeout_s: float = 300.0) -> "TPGroup":
         """The env rendezvous torchrun and Kubernetes LeaderWorkerSet set; a missing variable is named."""
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in env]
         if missing:
             raise ValueError(f"tensor parallel rendezvous: {', '.join(missing)} not set")
         return cls.init(int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
-                        device)
+                        device, timeout_s)
 
     def all_reduce_max_(self, t: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

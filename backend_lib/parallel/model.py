@@ -74,7 +74,9 @@ def local_config(cfg: ModelConfig, group: TPGroup) -> ModelConfig:
 
 
 def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
-                 device: torch.device, kernels: Kernels, max_positions: int, group: TPGroup) -> Qwen3ForCausalLM:
+                 device: torch.device, kernels: Kernels, max_positions: int, group: TPGroup,
+                 with_head: bool = True) -> Qwen3ForCausalLM:
+    """with_head False: a worker rank's model (rank 0 alone computes the logits): the embedding, no head."""
     hid, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hs: HeadShard = shard_heads(cfg.num_heads, cfg.num_kv_heads, group.rank, group.size)
     f = split(inter, group.rank, group.size, "intermediate_size")
@@ -85,7 +87,9 @@ def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | Non
 
     if scheme is not None and scheme.is_quantized("lm_head"):
         raise ValueError("quantization_config: a quantized lm_head is not supported; add it to 'ignore'")
-    if store.has("lm_head.weight"):
+    if not with_head:
+        lm_head, embed = None, dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    elif store.has("lm_head.weight"):
         lm_head = FloatLinear(dense("lm_head.weight", (cfg.vocab_size, hid)), kernels)
         embed = dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
     elif cfg.tie_word_embeddings:
