@@ -145,3 +145,63 @@ def test_tensor_parallel_size_is_validated_naming_it(a8w8_ckpt):
         EngineConfig(checkpoint=str(a8w8_ckpt), tensor_parallel_size=2, enable_lora=True).validate()
     with pytest.raises(ValueError, match="tensor_parallel_size: 'x' is not an integer"):
         EngineConfig.from_params({"checkpoint": str(a8w8_ckpt), "tensor_parallel_size": "x"})
+
+
+# ----- through tritonserver: config.pbtxt's tensor_parallel_size: 2 -------------------------------------------
+
+def _rank_processes() -> list[int]:
+    import os
+
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"backend_lib.parallel.runtime" in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_tritonserver_streams_tp2_ids_equal_to_tp1_and_a_killed_rank_fails_cleanly(tmp_path, a8w8_ckpt):
+    import os
+    import signal
+    import time
+
+    from helpers import GREEDY, PROMPT, SERVER_ENGINE, collect, make_engine
+
+    from harness.triton_server import TritonServer, make_repository
+
+    eng = make_engine(a8w8_ckpt, **{k: int(v) for k, v in SERVER_ENGINE.items() if k != "dtype" and v.isdigit()},
+                      dtype="bfloat16")
+    params = eng.make_params({**GREEDY["sampling_parameters"], "max_tokens": 12})
+    want = eng.generate([eng.tokenizer.encode(PROMPT)], params)[0]["output_ids"]
+    seeded = {"temperature": 0.9, "seed": 5, "ignore_eos": True, "max_tokens": 12}
+    want_seeded = eng.generate([eng.tokenizer.encode(PROMPT)], eng.make_params(seeded))[0]["output_ids"]
+    del eng
+    before = set(_rank_processes())
+    repo = make_repository(tmp_path / "models", {
+        "qwen3_tp": {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt),
+                     "tensor_parallel_size": "2", "num_threads": "1"}})
+    server = TritonServer(repo, tmp_path / "tritonserver.log").start()
+    try:
+        ids = lambda rs: [i for _, got, _ in rs for i in got]  # noqa: E731
+        res = collect(server.grpc_url, "qwen3_tp", prompt=PROMPT, sampling_parameters={
+            **GREEDY["sampling_parameters"], "max_tokens": 12})
+        assert res[-1][0] != "ERROR", res
+        assert ids(res) == want
+        res = collect(server.grpc_url, "qwen3_tp", prompt=PROMPT, sampling_parameters=seeded)
+        assert ids(res) == want_seeded
+        (worker,) = set(_rank_processes()) - before
+        os.kill(worker, signal.SIGKILL)
+        res = collect(server.grpc_url, "qwen3_tp", prompt=PROMPT, sampling_parameters={
+            **GREEDY["sampling_parameters"], "max_tokens": 4})
+        assert res[-1][0] == "ERROR" and "tensor parallel rank 1 exited" in str(res[-1][1]), res
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
+    while set(_rank_processes()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(_rank_processes()) - before

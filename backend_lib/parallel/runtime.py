@@ -163,6 +163,12 @@ class Supervisor:
             dist.destroy_process_group()
 
 
+def _python() -> str:
+    """The interpreter for the workers: inside Triton's Python backend sys.executable may be the stub binary."""
+    exe = os.path.join(sys.prefix, "bin", "python3")
+    return exe if os.path.exists(exe) else sys.executable
+
+
 def _free_port() -> int:
     import socket
 
@@ -195,7 +201,7 @@ def start(cfg, model_config, scheme, device, dtype, kernels, max_model_len: int)
         for r in range(1, size):
             env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(size),
                        QWEN3_TP_PARENT=str(os.getpid()))
-            procs.append(subprocess.Popen([sys.executable, "-m", "backend_lib.parallel.runtime", payload], env=env))
+            procs.append(subprocess.Popen([_python(), "-m", "backend_lib.parallel.runtime", payload], env=env))
     sup = Supervisor(procs)
     try:
         group = TPGroup.init(0, size, addr, port, device, timeout_s=MODEL_TIMEOUT_S)
