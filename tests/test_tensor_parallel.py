@@ -205,3 +205,28 @@ def test_tritonserver_streams_tp2_ids_equal_to_tp1_and_a_killed_rank_fails_clean
     while set(_rank_processes()) - before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not set(_rank_processes()) - before
+
+
+@pytest.mark.parametrize("k", [7, 1023, 1024, 3000])
+def test_row_parallel_a8w8_sums_exactly_through_the_kernel_sets_gemm(k):
+    """One rank's share: the kernel set's A8W8 GEMM over marked slabs gives the int32 sums the reference gets,
+    at the largest products (every |q| = 127 against weights of +-127: |sum| reaches 127 * 127 * K)."""
+    import torch
+
+    from backend_lib.kernels import get_kernels
+    from backend_lib.kernels.reference.ops import a8w8_linear
+    from backend_lib.parallel import TPGroup
+    from backend_lib.parallel.linear import RowParallelA8W8
+
+    g = torch.Generator().manual_seed(k)
+    w = torch.randint(-127, 128, (40, k), dtype=torch.int8, generator=g)
+    w[0] = 127
+    w[1] = -127
+    scale = torch.rand(40, generator=g) / 100
+    x = torch.randn(5, k, generator=g)
+    x[0] = 3.0                       # every q = 127: row 0's sums are 127 * 127 * K
+    x[1, : k // 2] = 0.0
+    for kernels in (get_kernels("cpu", "cpu"), get_kernels("cpu", "reference")):
+        layer = RowParallelA8W8(w, scale, TPGroup(), kernels)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(layer(x.to(dtype)), a8w8_linear(x.to(dtype), w, scale)), (kernels.name, dtype)

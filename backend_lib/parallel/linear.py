@@ -9,26 +9,40 @@ Row-parallel layers hold the rank's input columns and reduce across the group:
 - float: the ranks' fp32 partial sums are gathered and added in rank order (TPGroup.sum_in_rank_order):
   deterministic and batch invariant, within fp32 rounding of TP = 1 (another summation order), not bit-equal.
 
-The int8 products run through the reference's exact fp32-chunk matmul (kernels/reference/ops.py): correct on
-every device; a kernel-set slot returning the int32 partial sums is the step that makes it fast.
+The int8 products run through the kernel set's own A8W8 GEMM, read once per step (RowParallelA8W8).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..kernels.reference.ops import int8_matmul
 from .group import TPGroup
 
 
+# int8 products over at most SLAB columns sum to less than 2**24 in magnitude (|q| <= 127 on both sides, one
+# column of each slab is the marker below), where fp32 holds every integer: a kernel set's A8W8 output over such a
+# slab, with activation scale 1 and weight scale 1, is its int32 sum exactly.
+SLAB = 1024
+
+
 class RowParallelA8W8(nn.Module):
-    def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor, group: TPGroup):
-        """w_q int8 [N, K / size]: this rank's input columns; w_scale fp32 [N]: the whole rows' scales."""
+    def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor, group: TPGroup, kernels):
+        """w_q int8 [N, K / size]: this rank's input columns; w_scale fp32 [N]: the whole rows' scales.
+
+        The int32 partial sums come from the kernel set's own A8W8 GEMM (no slot of its own needed): the
+        quantized activations q (integers in [-127, 127]) are given as floats with one marker column of 127
+        meeting a zero weight, so the kernel's per-token scale is 127 / 127 = 1 and it quantizes q to itself;
+        with unit weight scales its output is the integer sum, exact in fp32 over a slab of SLAB columns."""
         super().__init__()
-        self.w_q = w_q.contiguous()
+        self.group, self.kernels = group, kernels
+        self.out_features, k = w_q.shape
         self.w_scale = w_scale.float().contiguous()
-        self.group = group
-        self.out_features = w_q.shape[0]
+        ones = torch.ones(self.out_features, dtype=torch.float32, device=w_q.device)
+        self.slabs = []
+        for k0 in range(0, k, SLAB - 1):
+            part = w_q[:, k0:k0 + SLAB - 1]
+            marked = torch.cat([part, torch.zeros((self.out_features, 1), dtype=torch.int8, device=w_q.device)], 1)
+            self.slabs.append((k0, part.shape[1], kernels.a8w8_prepare(marked.contiguous(), ones)))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         shape = x.shape
@@ -36,8 +50,13 @@ class RowParallelA8W8(nn.Module):
         amax = xf.abs().amax(dim=-1, keepdim=True)
         self.group.all_reduce_max_(amax)
         scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-        q = torch.clamp(torch.round(xf / scale), -128, 127).to(torch.int8)
-        acc = self.group.all_reduce_sum_(int8_matmul(q, self.w_q))
+        q = torch.clamp(torch.round(xf / scale), -128, 127)
+        marker = torch.full((q.shape[0], 1), 127.0, device=q.device)
+        acc = None
+        for k0, n, prepared in self.slabs:
+            part = self.kernels.a8w8_linear(torch.cat([q[:, k0:k0 + n], marker], 1), prepared).to(torch.int32)
+            acc = part if acc is None else acc + part
+        self.group.all_reduce_sum_(acc)
         y = acc.float() * scale * self.w_scale[None, :]
         return y.to(out_dtype or x.dtype).reshape(*shape[:-1], self.out_features)
 

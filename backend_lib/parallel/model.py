@@ -62,7 +62,7 @@ class _Reader:
         w, s = self._weight(name, n_out, k)
         w = w[:, cols].contiguous().to(self.device)
         if s is not None:
-            return RowParallelA8W8(w, s.to(self.device), self.group)
+            return RowParallelA8W8(w, s.to(self.device), self.group, self.kernels)
         return RowParallelFloat(w.to(self.dtype), self.group, self.kernels)
 
 
