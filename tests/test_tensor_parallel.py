@@ -230,3 +230,56 @@ def test_row_parallel_a8w8_sums_exactly_through_the_kernel_sets_gemm(k):
         layer = RowParallelA8W8(w, scale, TPGroup(), kernels)
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(layer(x.to(dtype)), a8w8_linear(x.to(dtype), w, scale)), (kernels.name, dtype)
+
+
+def test_a_worker_started_from_its_config_pbtxt_joins_rank_0(tmp_path, a8w8_ckpt, monkeypatch):
+    """The other-host form (a LeaderWorkerSet's worker pod): rank 0 spawns nothing (QWEN3_TP_SPAWN=0) and waits at
+    its master address; the worker reads the model's config.pbtxt with the $<MODEL>_<PARAMETER> overrides. A
+    worker whose configuration disagrees with rank 0's fails naming the parameter."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import SERVER_ENGINE, make_engine
+
+    from harness.triton_server import make_repository
+
+    repo = make_repository(tmp_path / "models", {"qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt),
+                                                               "tensor_parallel_size": "2", "num_threads": "1"}})
+    opts = {k: int(v) for k, v in SERVER_ENGINE.items() if k != "dtype" and v.isdigit()}
+    one = make_engine(a8w8_ckpt, dtype="bfloat16", **opts)
+    want = engine_ids(one, False)
+    del one
+
+    def join(env_extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        monkeypatch.setenv("QWEN3_TP_SPAWN", "0")
+        monkeypatch.setenv("QWEN3_TP_MASTER_PORT", str(port))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1", WORLD_SIZE="2", **env_extra)
+        worker = subprocess.Popen([sys.executable, "-m", "backend_lib.parallel.runtime", "--model-config",
+                                   str(repo / "qwen3_a8w8" / "config.pbtxt")], env=env, stderr=subprocess.PIPE,
+                                  text=True)
+        return worker
+
+    worker = join({})
+    two = make_engine(a8w8_ckpt, dtype="bfloat16", tensor_parallel_size=2, num_threads=1, **opts)
+    try:
+        assert engine_ids(two, False) == want
+    finally:
+        two.runner.tp.close()
+    assert worker.wait(30) == 0
+    del two
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+
+    worker = join({"QWEN3_A8W8_PAGE_SIZE": "32"})
+    with pytest.raises(Exception):
+        make_engine(a8w8_ckpt, dtype="bfloat16", tensor_parallel_size=2, num_threads=1, **opts)
+    assert worker.wait(60) != 0
+    assert "page_size differs from rank 0's" in worker.stderr.read()
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()

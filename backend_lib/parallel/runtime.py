@@ -20,6 +20,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -183,9 +184,10 @@ def _groups(group: TPGroup):
 
 
 def start(cfg, model_config, scheme, device, dtype, kernels, max_model_len: int):
-    """Rank 0: starts ranks 1..N-1 on this host (MASTER_ADDR / MASTER_PORT from the environment when set, so
-    ranks can join from other hosts instead), joins the group, loads its shard, sizes the KV pool and tells the
-    workers its page count. Returns (ShardedModel, ShardedKVCache, Supervisor)."""
+    """Rank 0: starts ranks 1..N-1 on this host (QWEN3_TP_SPAWN=0: they are started elsewhere, e.g. the workers of a
+    LeaderWorkerSet, and join at QWEN3_TP_MASTER_ADDR / QWEN3_TP_MASTER_PORT), joins the group, tells the workers
+    max_model_len, loads its shard, sizes the KV pool and tells them its page count.
+    Returns (ShardedModel, ShardedKVCache, Supervisor)."""
     from ..checkpoint import WeightStore
     from ..kv_cache import allocate_kv_cache
     from .model import load_sharded
@@ -193,19 +195,19 @@ def start(cfg, model_config, scheme, device, dtype, kernels, max_model_len: int)
     size = cfg.tensor_parallel_size
     addr = os.environ.get("QWEN3_TP_MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("QWEN3_TP_MASTER_PORT") or _free_port())
-    spawn = os.environ.get("QWEN3_TP_SPAWN", "1") != "0"     # 0: the workers are started elsewhere (other hosts)
     procs = []
-    if spawn:
-        payload = json.dumps({"cfg": {k: v for k, v in asdict(cfg).items() if k != "limits"},
-                              "max_model_len": max_model_len})
+    if os.environ.get("QWEN3_TP_SPAWN", "1") != "0":
+        payload = json.dumps({k: v for k, v in asdict(cfg).items() if k != "limits"})
         for r in range(1, size):
             env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(size),
                        QWEN3_TP_PARENT=str(os.getpid()))
-            procs.append(subprocess.Popen([_python(), "-m", "backend_lib.parallel.runtime", payload], env=env))
+            procs.append(subprocess.Popen([_python(), "-m", "backend_lib.parallel.runtime", "--engine-config", payload],
+                                          env=env))
     sup = Supervisor(procs)
     try:
         group = TPGroup.init(0, size, addr, port, device, timeout_s=MODEL_TIMEOUT_S)
         control = _groups(group)
+        dist.broadcast(torch.tensor([max_model_len, *_agreed(cfg)], dtype=torch.int64), src=0)
         model = load_sharded(WeightStore(cfg.checkpoint), model_config, scheme, dtype, device, kernels,
                              max_model_len, group)
         cache = allocate_kv_cache(cfg.kv_cache, model.cfg, dtype, device, kernels, cfg.kv_cache_memory,
@@ -231,17 +233,45 @@ def _watch_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
-def worker_main(payload: str) -> None:
-    from ..checkpoint import ModelConfig, WeightStore, parse_quantization_config
+# What every rank's configuration must agree on (a worker started from its own config.pbtxt is checked against
+# rank 0's at the rendezvous), as integers.
+AGREED = ("page_size", "max_num_seqs", "kv_cache", "dtype", "tq_seed")
+
+
+def _agreed(cfg) -> list[int]:
+    import zlib
+
+    return [v if isinstance(v, int) else zlib.crc32(str(v).encode()) for v in (getattr(cfg, n) for n in AGREED)]
+
+
+PARAMETER = re.compile(r'parameters\s*\{\s*key:\s*"([^"]+)"\s*,?\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}')
+
+
+def config_from_pbtxt(path: str, model: str) -> "EngineConfig":
+    """A worker on another host: the engine configuration of the model whose config.pbtxt it is given, with the
+    same $<MODEL>_<PARAMETER> overrides the model's own process applies (serving/triton_config.py)."""
     from ..config import EngineConfig
+
+    text = open(path).read()
+    params = dict(PARAMETER.findall(text))
+    for key in EngineConfig.field_names():
+        env = os.environ.get(f"{model.upper()}_{key.upper()}")
+        if env:
+            params[key] = env
+    params.setdefault("device", "cpu")
+    if params["device"] in ("", "auto"):
+        params["device"] = "cpu"
+    return EngineConfig.from_params(params, base_dir=os.path.dirname(os.path.dirname(os.path.abspath(path))))
+
+
+def worker_main(cfg) -> None:
+    from ..checkpoint import ModelConfig, WeightStore, parse_quantization_config
     from ..device import parse_dtype, resolve_device
     from ..kernels import get_kernels
     from ..kv_cache import allocate_kv_cache
+    from ..kv_cache.base import cache_class
     from .model import load_sharded
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {os.environ.get('RANK')} %(name)s: %(message)s")
-    data = json.loads(payload)
-    cfg = EngineConfig(**data["cfg"])
     if os.environ.get("QWEN3_TP_PARENT"):
         threading.Thread(target=_watch_parent, args=(int(os.environ["QWEN3_TP_PARENT"]),), daemon=True).start()
     device = resolve_device(cfg.device)
@@ -249,21 +279,30 @@ def worker_main(payload: str) -> None:
         torch.set_num_threads(cfg.num_threads)
     dtype = parse_dtype(cfg.dtype, device)
     group = TPGroup.from_env(device, timeout_s=MODEL_TIMEOUT_S)
+    if group.size != cfg.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size: WORLD_SIZE is {group.size}, the model's configuration says "
+                         f"{cfg.tensor_parallel_size}")
     control = _groups(group)
+    head = torch.zeros(1 + len(AGREED), dtype=torch.int64)
+    dist.broadcast(head, src=0)
+    max_model_len, *theirs = head.tolist()
+    for name, mine, rank0 in zip(AGREED, _agreed(cfg), theirs):
+        if mine != rank0:
+            raise ValueError(f"tensor parallel rank {group.rank}: {name} differs from rank 0's "
+                             f"(this rank's configuration and rank 0's must agree)")
     mc = ModelConfig.from_dir(cfg.checkpoint)
     kernels = get_kernels(device, cfg.kernels, cfg.kernel_cache_dir)
     model = load_sharded(WeightStore(cfg.checkpoint), mc, parse_quantization_config(mc.quantization_config), dtype,
-                         device, kernels, data["max_model_len"], group, with_head=False)
+                         device, kernels, max_model_len, group, with_head=False)
     pages = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(pages, src=0)
-    from ..kv_cache.base import cache_class
-
     per_page = cache_class(cfg.kv_cache).bytes_per_token(model.cfg.num_layers, model.cfg.num_kv_heads,
                                                           model.cfg.head_dim, dtype) * cfg.page_size
     cache = allocate_kv_cache(cfg.kv_cache, model.cfg, dtype, device, kernels, cfg.kv_cache_memory, cfg.page_size,
-                              data["max_model_len"], cfg.max_num_seqs, nbytes=int(pages.item()) * per_page,
+                              max_model_len, cfg.max_num_seqs, nbytes=int(pages.item()) * per_page,
                               seed=cfg.tq_seed)
-    assert cache.num_pages == pages.item(), (cache.num_pages, pages.item())
+    if cache.num_pages != pages.item():
+        raise RuntimeError(f"tensor parallel rank {group.rank}: {cache.num_pages} KV pages, rank 0 has {pages.item()}")
     worker_loop(model, cache, StepChannel(group, control))
 
 
@@ -284,5 +323,26 @@ def worker_loop(model, cache, ch: StepChannel) -> None:
                 raise RuntimeError(f"tensor parallel worker: unknown op {op}")
 
 
+def main(argv=None) -> None:
+    import argparse
+
+    from ..config import EngineConfig
+
+    ap = argparse.ArgumentParser(description="A tensor-parallel worker rank (RANK, WORLD_SIZE, MASTER_ADDR, "
+                                             "MASTER_PORT from the environment).")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine-config", help="JSON of rank 0's EngineConfig (the workers rank 0 starts)")
+    src.add_argument("--model-config", help="the model's config.pbtxt (a worker started on another host)")
+    ap.add_argument("--model", help="with --model-config: the model's name (for $<MODEL>_<PARAMETER> overrides)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {os.environ.get('RANK')} %(name)s: %(message)s")
+    if args.engine_config:
+        cfg = EngineConfig(**json.loads(args.engine_config))
+    else:
+        cfg = config_from_pbtxt(args.model_config, args.model or os.path.basename(os.path.dirname(
+            os.path.abspath(args.model_config))))
+    worker_main(cfg)
+
+
 if __name__ == "__main__":
-    worker_main(sys.argv[1])
+    main()
