@@ -104,7 +104,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list[str], tp: int, timeout_s: float = 600.0) -> str:
+def launch(argv: list[str], tp: int, timeout_s: float = 600.0, module: str = "backend_lib.parallel.check") -> str:
     """Starts tp rank processes (rank 0 prints the result) and returns rank 0's stdout. The first rank to fail
     fails the run naming it, and the others are killed at once (a survivor would wait in its next collective
     until the group's timeout); no rank outlives the run."""
@@ -115,7 +115,7 @@ def launch(argv: list[str], tp: int, timeout_s: float = 600.0) -> str:
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(tp))
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             logs.append((out, err))
-            procs.append(subprocess.Popen([sys.executable, "-m", "backend_lib.parallel.check", "--rank-process",
+            procs.append(subprocess.Popen([sys.executable, "-m", module, "--rank-process",
                                            *argv], env=env, stdout=out, stderr=err, text=True))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
