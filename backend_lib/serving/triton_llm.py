@@ -23,7 +23,8 @@ import numpy as np
 from dataclasses import dataclass, field
 
 
-from ..sampling.params import RequestError
+from ..contract.choices import choice_seed
+from ..contract.errors import RequestError
 from .request import AbortRequest, ParsedRequest, parse_abort, parse_request
 from .responses import abort_token_arrays, output_arrays
 from .schema import LLM_INPUTS, LLM_OUTPUTS, declare
@@ -290,10 +291,10 @@ class TritonLLMModel:
                              f"(max_waiting_requests {self.cfg.max_waiting_requests}); retry later")
         prompt_ids = req.input_ids if req.input_ids is not None else self.engine.tokenizer.encode(req.text)
         choices = []
-        for j in range(req.n):   # choice j of a seeded request: seed + j (vLLM's n > 1 children)
+        for j in range(req.n):
             sampling = dict(req.sampling)
             if j and sampling.get("seed") is not None:
-                sampling["seed"] = (int(sampling["seed"]) + j) % 2**64
+                sampling["seed"] = choice_seed(sampling["seed"], j)
             choices.append((f"{self.name}-{uuid.uuid4().hex}", self.engine.make_params(sampling)))
         if req.n > 1:   # every choice valid before any runs (the loop validates again in submit)
             for rid, params in choices:
