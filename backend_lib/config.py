@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from .kernels import KERNEL_BACKENDS
 from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
-from .sampling.params import SamplingLimits
+from .contract.fields import SamplingLimits
 
 
 LM_HEAD_QUANTS = ("checkpoint", "int8")

@@ -154,8 +154,8 @@ def _read_config(folder: Path) -> tuple[dict, bytes]:
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise LoraError(f"{path}: not found (a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE})")
-    from ..json_input import loads
-    from ..sampling.errors import RequestError
+    from ..contract.json_input import loads
+    from ..contract.errors import RequestError
 
     raw = path.read_bytes()
     try:
