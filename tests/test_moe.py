@@ -364,3 +364,23 @@ def test_lora_expert_adapters_are_refused_naming_the_module(moe_bf16_ckpt, tmp_p
     dense = "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"
     with pytest.raises(LoraError, match=rf"{dense.replace('.', '[.]')}.*mixture-of-experts layer"):
         load_adapter("d", _adapter(tmp_path / "d", {dense: torch.randn(4, 64)}), base, 16)
+
+
+def test_triton_set_a8w8_moe_is_the_reference_and_batch_invariant(moe_a8w8_ckpt):
+    """The Triton set's MoE slot (its int8 GEMMs per expert, through the interpreter on the CPU): bit for bit
+    the reference's on the same routing, and a row's result alone equals its result in the batch."""
+    pytest.importorskip("triton")
+    from backend_lib.kernels import REFERENCE, get_kernels
+    from backend_lib.layers.moe import route
+
+    tri = get_kernels("cpu", "triton")
+    x = _hidden(t=9, dtype=torch.bfloat16)
+    ref_block = _moe_block(moe_a8w8_ckpt, REFERENCE, torch.bfloat16)
+    tri_block = _moe_block(moe_a8w8_ckpt, tri, torch.bfloat16)
+    with torch.inference_mode():
+        ids, w = route(ref_block.gate.forward(x), 2, True)
+        got = tri.moe_experts(x, ids, w, tri_block.expert_pairs)
+        assert torch.equal(got, REFERENCE.moe_experts(x, ids, w, ref_block.expert_pairs))
+        solo = torch.cat([tri.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], tri_block.expert_pairs)
+                          for i in range(3)])
+        assert torch.equal(solo, got[:3])
