@@ -2,6 +2,8 @@
 random weights, the CPU kernel set: the MoE block against the dense GEMV that reads the same bytes.
 
     python -m bench.moe [--format a8w8|bf16] [--batch 1,16] [--repeats 20]
+    python -m bench.moe --checkpoint DIR [--batch 1,16]      # engine decode tokens/s of a MoE checkpoint
+                                                             # (e.g. make_demo_checkpoint --size 30b-a3b --layers 2)
 
 At batch 1 the block must read only the 8 routed experts' weights (+ the router): its time is compared with one
 dense linear pair of exactly those bytes (gate_up [8 x 2 x 768, 2048], down [2048, 8 x 768]), several copies
@@ -37,12 +39,38 @@ def _bytes(fmt, n, k):
     return n * k * (1 if fmt == "a8w8" else 2) + (4 * n if fmt == "a8w8" else 0)
 
 
+def engine_decode(checkpoint: str, batches: list[int], steps: int = 16) -> None:
+    """Decode step time of the engine (bf16 compute): a run of 1 token subtracted from a run of 1 + steps."""
+    from backend_lib.config import EngineConfig
+    from backend_lib.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(checkpoint=checkpoint, dtype="bfloat16", max_num_seqs=max(batches),
+                                 max_num_batched_tokens=256, kv_cache_memory="256MiB", max_model_len=1024))
+    rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+    print(f"{checkpoint}: RSS after load {rss / 2 ** 20:.2f} GiB")
+    for b in batches:
+        prompts = [eng.tokenizer.encode(f"Prompt number {i}: tell me a story") for i in range(b)]
+        one = eng.make_params({"temperature": 0, "max_tokens": 1, "ignore_eos": True})
+        many = eng.make_params({"temperature": 0, "max_tokens": 1 + steps, "ignore_eos": True})
+        eng.generate(prompts, one)
+        t0 = time.perf_counter()
+        eng.generate(prompts, one)
+        t1 = time.perf_counter()
+        eng.generate(prompts, many)
+        step = (time.perf_counter() - t1 - (t1 - t0)) / steps
+        print(f"batch {b:3d}: decode step {step * 1e3:7.1f} ms, {b / step:6.1f} tokens/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--format", choices=("a8w8", "bf16"), default="a8w8")
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--checkpoint", default=None)
     args = ap.parse_args()
+    if args.checkpoint:
+        engine_decode(args.checkpoint, [int(v) for v in args.batch.split(",")])
+        return
     kernels = get_kernels("cpu", "cpu")
     g = torch.Generator().manual_seed(0)
     fmt = args.format
