@@ -241,6 +241,29 @@ def test_config_errors_name_the_field(moe_bf16_ckpt, edit, field):
         ModelConfig.from_dicts(cfg)
 
 
+# Qwen3-30B-A3B's config.json fields (the hub's), and Qwen3-235B-A22B's shape changes
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                 "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+                 "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+                 "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+                 "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+                 "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+                 "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                 "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+                 "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+                 "use_sliding_window": False, "vocab_size": 151936}
+
+
+@pytest.mark.parametrize("edit", [{}, {"hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+                                       "moe_intermediate_size": 1536, "intermediate_size": 12288}])
+def test_the_released_configs_are_accepted(edit):
+    cfg = {**QWEN3_30B_A3B, **edit}
+    mc = ModelConfig.from_dicts(cfg)
+    assert mc.moe.num_experts == 128 and mc.moe.num_experts_per_tok == 8 and mc.moe.norm_topk_prob
+    assert mc.moe.sparse_layers == tuple(range(cfg["num_hidden_layers"]))
+    assert mc.moe.moe_intermediate_size == cfg["moe_intermediate_size"] and mc.num_kv_heads == 4
+
+
 def test_all_sparse_model_needs_no_dense_width(moe_bf16_ckpt):
     cfg = json.loads((moe_bf16_ckpt / "config.json").read_text())
     cfg.pop("intermediate_size")
