@@ -77,6 +77,9 @@ def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | Non
                  device: torch.device, kernels: Kernels, max_positions: int, group: TPGroup,
                  with_head: bool = True) -> Qwen3ForCausalLM:
     """with_head False: a worker rank's model (rank 0 alone computes the logits): the embedding, no head."""
+    if cfg.moe is not None:
+        raise CheckpointError("tensor_parallel_size > 1: qwen3_moe checkpoints are not sharded yet (expert parallel "
+                              "is not done); serve them with tensor_parallel_size: 1")
     hid, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hs: HeadShard = shard_heads(cfg.num_heads, cfg.num_kv_heads, group.rank, group.size)
     f = split(inter, group.rank, group.size, "intermediate_size")
