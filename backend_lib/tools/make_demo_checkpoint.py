@@ -1,7 +1,7 @@
 """Builds a demo Qwen3 checkpoint: random weights in a real Qwen3 shape, written in the real formats.
 
     python -m backend_lib.tools.make_demo_checkpoint OUT [--size tiny|0.6b] [--format bf16|a8w8|w4a16|gptq|awq]
-        [--group-size N (0: channel-wise)] [--asym] [--desc-act] [--seed N]
+        [--group-size N (0: channel-wise)] [--asym] [--desc-act] [--seed N] [--task generate|embed]
 
 bf16 is a plain transformers safetensors checkpoint; a8w8 goes through compressed-tensors
 (W8A8 preset: int8 per-channel weights, dynamic int8 per-token activations, lm_head ignored) exactly
@@ -9,6 +9,12 @@ as llmcompressor writes the public *-quantized.w8a8 checkpoints; w4a16 through c
 (pack-quantized int4 weights, as the *-quantized.w4a16 checkpoints); gptq and awq in those layouts
 (tools/int4_writers.py). Both carry the real Qwen vocabulary
 with Qwen3's special tokens and chat template, and Qwen3's generation_config.json.
+
+--task embed writes a Qwen3-Embedding checkpoint instead (bf16 or a8w8): the bare Qwen3Model's tensors (no
+`model.` prefix, no lm_head), as sentence-transformers saves it, with its files: modules.json (Transformer,
+Pooling, Normalize), 1_Pooling/config.json (last token), config_sentence_transformers.json (Qwen3-Embedding's
+query prompt), sentence_bert_config.json, and a tokenizer that appends <|endoftext|> and pads on the left.
+A Qwen3-Reranker checkpoint is a plain Qwen3ForCausalLM: the default task's bf16 or a8w8 serves as one.
 """
 from __future__ import annotations
 
@@ -89,15 +95,52 @@ def quantize_a8w8(model) -> object:
 
 
 FORMATS = ("bf16", "a8w8", "w4a16", "gptq", "awq")
+TASKS = ("generate", "embed")
+EMBED_PROMPTS = {"query": "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:",
+                 "document": ""}
+
+
+def write_sentence_transformers(out: Path, hidden_size: int, max_seq_length: int) -> None:
+    """Qwen3-Embedding's sentence-transformers files, and its tokenizer's EOS post-processor and left padding."""
+    from tokenizers import Tokenizer, processors
+
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_cls_token": False,
+               "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+               "pooling_mode_lasttoken": True, "include_prompt": True}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    (out / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": EMBED_PROMPTS, "default_prompt_name": None, "similarity_fn_name": "cosine"}, indent=2))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
+                                                               "do_lower_case": False}, indent=2))
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    eos = "<|endoftext|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
+                                                       special_tokens=[(eos, tok.token_to_id(eos))])
+    tok.save(str(out / "tokenizer.json"))
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["padding_side"] = "left"
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
 
 def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0, overwrite: bool = False,
           group_size: int | None = 32, symmetric: bool = True, desc_act: bool = False, shared_perm: bool = True,
-          **config_overrides) -> Path:
+          task: str = "generate", **config_overrides) -> Path:
     """group_size (None: channel-wise), symmetric, desc_act: the int4 formats' options (gptq: all three; awq:
     group_size, always asymmetric; w4a16: group_size and symmetric)."""
     from .qwen_vocab import write_qwen3_tokenizer
 
+    if task not in TASKS:
+        raise ValueError(f"--task: {task!r} is not one of {', '.join(TASKS)}")
+    if task == "embed" and fmt not in ("bf16", "a8w8"):
+        raise ValueError(f"--task embed: --format {fmt} is not offered (bf16 or a8w8)")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -108,10 +151,11 @@ def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0,
     config = qwen3_config(size, **config_overrides)
     model = random_model(config, seed)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent if out.parent.exists() else None))
+    saved = model.model if task == "embed" else model   # an embedding checkpoint is the bare Qwen3Model
     try:
         if fmt == "a8w8":
             compressor = quantize_a8w8(model)
-            model.save_pretrained(tmp)
+            saved.save_pretrained(tmp)
             compressor.update_config(tmp)
         elif fmt == "w4a16":
             from .int4_writers import quantize_pack_quantized
@@ -125,11 +169,13 @@ def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0,
             model.save_pretrained(tmp)
             write_gptq_or_awq(tmp, fmt, group_size, symmetric, desc_act, seed, shared_perm)
         elif fmt == "bf16":
-            model.save_pretrained(tmp)
+            saved.save_pretrained(tmp)
         else:
             raise ValueError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
         write_qwen3_tokenizer(tmp, config.max_position_embeddings)
+        if task == "embed":
+            write_sentence_transformers(tmp, config.hidden_size, min(8192, config.max_position_embeddings))
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             out.rmdir()
@@ -152,11 +198,12 @@ def main(argv=None) -> int:
     ap.add_argument("--desc-act", action="store_true", help="gptq: act-order columns (g_idx)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--task", choices=TASKS, default="generate", help="embed: a Qwen3-Embedding checkpoint")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         build(args.out, args.size, args.format, args.seed, args.overwrite, args.group_size or None, not args.asym,
-              args.desc_act)
+              args.desc_act, task=args.task)
     except (FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
