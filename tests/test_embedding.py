@@ -18,16 +18,6 @@ TEXTS = ["Hello world", "The capital of China is Beijing.", "Gravity is a force 
 
 
 @pytest.fixture(scope="module")
-def embed_ckpt(ckpts):
-    return ckpts.get("tiny-embed", "bf16", task="embed")
-
-
-@pytest.fixture(scope="module")
-def embed_a8w8_ckpt(ckpts):
-    return ckpts.get("tiny-embed-a8w8", "a8w8", task="embed")
-
-
-@pytest.fixture(scope="module")
 def fp32_model(embed_ckpt):
     return EmbeddingModel(EmbedConfig(str(embed_ckpt), dtype="float32", device="cpu"))
 
