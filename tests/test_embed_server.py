@@ -99,6 +99,17 @@ def _executions(server, model: str) -> float:
     return sum(s.value for s in family.samples if s.labels.get("model") == model)
 
 
+def _counts(server, model: str) -> tuple[float, float, float]:
+    """vllm:prompt_tokens_total and vllm:request_success_total (stop, error) of the model."""
+    def value(name, **labels):
+        try:
+            return server.metric(name, model, **labels)
+        except KeyError:
+            return 0.0
+    return (value("vllm:prompt_tokens_total"), value("vllm:request_success_total", finished_reason="stop"),
+            value("vllm:request_success_total", finished_reason="error"))
+
+
 def _cos(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(a @ b / np.sqrt((a @ a) * (b @ b)))
@@ -114,12 +125,16 @@ def st_vectors(embed_ckpt):
 @pytest.mark.parametrize("model", ["qwen3_embed", "qwen3_embed_a8w8"])
 def test_served_vectors_equal_alone_and_batched_with_hostile_neighbours(server, model, st_vectors):
     url = server.grpc_url
+    before = _counts(server, model)
     alone = [_infer(url, model, text_input=t) for t in TEXTS]
     hostile = [dict(text_input="x", input_ids=[1, 2]), dict(input_ids=list(range(1, 200))),
                dict(input_ids=[5, 151936]), dict(text_input="q", prompt_name="passage"), dict(text_input="q",
                dimensions=65), dict(text_input=""), dict(input_ids=[1], prompt_name="query")]
     executions = _executions(server, model)
     got = _at_once(url, model, [dict(text_input=t) for t in TEXTS] + hostile)
+    # the model's metrics: the tokens it embedded, the requests it answered and refused
+    expected = (before[0] + 2 * sum(n for _, n in alone), before[1] + 2 * len(TEXTS), before[2] + len(hostile))
+    assert server.wait_until(lambda: _counts(server, model) == expected, 10), (_counts(server, model), expected)
     # the dynamic batcher grouped them (executions counts model runs: fewer than the requests sent)
     assert _executions(server, model) - executions < len(TEXTS) + len(hostile)
     for (va, na), res in zip(alone, got[:len(TEXTS)]):

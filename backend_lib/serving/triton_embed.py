@@ -80,6 +80,9 @@ class TritonEmbedModel:
             raise pb_utils.TritonModelException(str(exc)) from None
         self.task = cfg.task
         self.model = EmbeddingModel(cfg)
+        from .embed_metrics import EmbedMetrics
+
+        self.metrics = EmbedMetrics(pb_utils, {"model": self.name, "version": str(args.get("model_version") or "1")})
         mark_load(self.name, "ready")
         log.info("%s: %s model from %s (max_model_len %d)", self.name, cfg.task, cfg.checkpoint,
                  self.model.max_model_len)
@@ -142,6 +145,7 @@ class TritonEmbedModel:
             except Exception:
                 log.exception("%s: request failed", self.name)
                 responses[i] = self._internal()
+        answered = False
         if items:
             try:
                 seqs = [ids for ids, _ in items]
@@ -154,13 +158,21 @@ class TritonEmbedModel:
                 for i, (ids, _), value in zip(where, items, values):
                     responses[i] = pb.InferenceResponse(output_tensors=[
                         self._out(out_name, value), self._out("num_input_tokens", np.array([len(ids)], np.uint32))])
+                answered = True
             except Exception:
                 log.exception("%s: forward failed", self.name)
                 for i in where:
                     responses[i] = self._internal()
-        log.debug("%s: %d requests (%d tokens) in %.1f ms", self.name, len(requests),
-                  sum(len(ids) for ids, _ in items), (time.perf_counter() - t0) * 1e3)
+        tokens = sum(len(ids) for ids, _ in items) if answered else 0
+        self.metrics.record(tokens, len(where) if answered else 0, len(requests) - (len(where) if answered else 0))
+        log.debug("%s: %d requests (%d tokens) in %.1f ms", self.name, len(requests), tokens,
+                  (time.perf_counter() - t0) * 1e3)
         return responses
+
+    def finalize(self):
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.stop()
 
     def _internal(self):
         pb = self.pb
