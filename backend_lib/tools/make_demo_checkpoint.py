@@ -2,7 +2,7 @@
 
     python -m backend_lib.tools.make_demo_checkpoint OUT [--size tiny|0.6b|tiny-moe|30b-a3b]
         [--format bf16|a8w8|w4a16|gptq|awq] [--group-size N (0: channel-wise)] [--asym] [--desc-act] [--seed N]
-        [--layers N]
+        [--layers N] [--task generate|embed]
 
 bf16 is a plain transformers safetensors checkpoint; a8w8 goes through compressed-tensors
 (W8A8 preset: int8 per-channel weights, dynamic int8 per-token activations, lm_head ignored) exactly
@@ -19,6 +19,12 @@ compressed-tensors quantizes nn.Linear modules only and transformers 5 holds the
 parameters, so the MoE formats are quantized here, tensor by tensor, in the layout compressed-tensors writes
 (int8 `weight` + `weight_scale` [N, 1]; pack-quantized `weight_packed` / `weight_scale` / `weight_shape` /
 `weight_zero_point`), with the quantization_config the dense writer's compressor produces.
+
+--task embed writes a Qwen3-Embedding checkpoint instead (bf16 or a8w8): the bare Qwen3Model's tensors (no
+`model.` prefix, no lm_head), as sentence-transformers saves it, with its files: modules.json (Transformer,
+Pooling, Normalize), 1_Pooling/config.json (last token), config_sentence_transformers.json (Qwen3-Embedding's
+query prompt), sentence_bert_config.json, and a tokenizer that appends <|endoftext|> and pads on the left.
+A Qwen3-Reranker checkpoint is a plain Qwen3ForCausalLM: the default task's bf16 or a8w8 serves as one.
 """
 from __future__ import annotations
 
@@ -112,15 +118,52 @@ def quantize_a8w8(model) -> object:
 
 
 FORMATS = ("bf16", "a8w8", "w4a16", "gptq", "awq")
+TASKS = ("generate", "embed")
+EMBED_PROMPTS = {"query": "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:",
+                 "document": ""}
+
+
+def write_sentence_transformers(out: Path, hidden_size: int, max_seq_length: int) -> None:
+    """Qwen3-Embedding's sentence-transformers files, and its tokenizer's EOS post-processor and left padding."""
+    from tokenizers import Tokenizer, processors
+
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_cls_token": False,
+               "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+               "pooling_mode_lasttoken": True, "include_prompt": True}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    (out / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": EMBED_PROMPTS, "default_prompt_name": None, "similarity_fn_name": "cosine"}, indent=2))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
+                                                               "do_lower_case": False}, indent=2))
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    eos = "<|endoftext|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
+                                                       special_tokens=[(eos, tok.token_to_id(eos))])
+    tok.save(str(out / "tokenizer.json"))
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["padding_side"] = "left"
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
 
 def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0, overwrite: bool = False,
           group_size: int | None = 32, symmetric: bool = True, desc_act: bool = False, shared_perm: bool = True,
-          **config_overrides) -> Path:
+          task: str = "generate", **config_overrides) -> Path:
     """group_size (None: channel-wise), symmetric, desc_act: the int4 formats' options (gptq: all three; awq:
     group_size, always asymmetric; w4a16: group_size and symmetric)."""
     from .qwen_vocab import write_qwen3_tokenizer
 
+    if task not in TASKS:
+        raise ValueError(f"--task: {task!r} is not one of {', '.join(TASKS)}")
+    if task == "embed" and fmt not in ("bf16", "a8w8"):
+        raise ValueError(f"--task embed: --format {fmt} is not offered (bf16 or a8w8)")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -132,6 +175,7 @@ def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0,
     model = random_model(config, seed)
     moe = config.model_type == "qwen3_moe"
     tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent if out.parent.exists() else None))
+    saved = model.model if task == "embed" else model   # an embedding checkpoint is the bare Qwen3Model
     try:
         if moe and fmt in ("a8w8", "w4a16"):
             model.save_pretrained(tmp)
@@ -141,7 +185,7 @@ def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0,
             quantize_moe_checkpoint(tmp, fmt, group_size, symmetric)
         elif fmt == "a8w8":
             compressor = quantize_a8w8(model)
-            model.save_pretrained(tmp)
+            saved.save_pretrained(tmp)
             compressor.update_config(tmp)
         elif fmt == "w4a16":
             from .int4_writers import quantize_pack_quantized
@@ -155,11 +199,13 @@ def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0,
             model.save_pretrained(tmp)
             write_gptq_or_awq(tmp, fmt, group_size, symmetric, desc_act, seed, shared_perm)
         elif fmt == "bf16":
-            model.save_pretrained(tmp)
+            saved.save_pretrained(tmp)
         else:
             raise ValueError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
         write_qwen3_tokenizer(tmp, config.max_position_embeddings)
+        if task == "embed":
+            write_sentence_transformers(tmp, config.hidden_size, min(8192, config.max_position_embeddings))
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             out.rmdir()
@@ -183,12 +229,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None, help="keep this many decoder layers (e.g. 30b-a3b for a bench)")
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--task", choices=TASKS, default="generate", help="embed: a Qwen3-Embedding checkpoint")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
         build(args.out, args.size, args.format, args.seed, args.overwrite, args.group_size or None, not args.asym,
-              args.desc_act, **overrides)
+              args.desc_act, task=args.task, **overrides)
     except (FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
