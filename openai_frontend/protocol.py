@@ -37,7 +37,9 @@ MAX_N = 16                                # choices per prompt (n)
 MAX_CHOICES = 256                         # prompts x n in one request
 MAX_TOOLS = 128
 MAX_DETOKENIZE = 1 << 20                  # token ids in one /detokenize
-MAX_METADATA = 16                         # Responses metadata entries
+MAX_METADATA = 16                         # Responses metadata entries (OpenAI's bounds)
+MAX_METADATA_KEY = 64                     # characters of a metadata key
+MAX_METADATA_VALUE = 512                  # characters of a metadata value
 
 
 # ----- errors ---------------------------------------------------------------------------------------------
@@ -798,8 +800,11 @@ class CreateResponseRequest(SamplingFields, TemplateFields):
     store: Optional[StrictBool] = Field(None, description="Keep the response for GET and previous_response_id "
                                                           "(default true).")
     previous_response_id: Optional[str] = Field(None, description="Continue a stored response's conversation.")
-    metadata: Optional[Annotated[dict[str, str], Field(max_length=MAX_METADATA)]] = Field(
-        None, description=f"At most {MAX_METADATA} string values, repeated in the response.")
+    metadata: Optional[Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)],
+                                      Annotated[str, Field(max_length=MAX_METADATA_VALUE)]],
+                                 Field(max_length=MAX_METADATA)]] = Field(
+        None, description=f"At most {MAX_METADATA} string values (keys of at most {MAX_METADATA_KEY} characters, values "
+                          f"of at most {MAX_METADATA_VALUE}, as OpenAI's), repeated in the response.")
     reasoning: Optional[ReasoningConfig] = Field(None, description="Only nulls: " + _THINKING.removeprefix(
         "not supported "))
     truncation: neutral("disabled") = Field(None, description='Only "disabled".')

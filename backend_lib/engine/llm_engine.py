@@ -85,7 +85,8 @@ class LLMEngine:
             from ..lora import BaseShape, LoraRegistry, parse_lora_modules
 
             self.lora = LoraRegistry(parse_lora_modules(cfg.lora_modules), BaseShape.of(mc), cfg.max_loras,
-                                     cfg.max_lora_rank, kernels, self.device, cfg.allow_runtime_lora)
+                                     cfg.max_lora_rank, kernels, self.device, cfg.allow_runtime_lora,
+                                     roots=cfg.lora_roots)
         self.block_manager = BlockManager(self.runner.kv_cache.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.scheduling_policy)
