@@ -37,6 +37,8 @@ MAX_N = 16                                # choices per prompt (n)
 MAX_CHOICES = 256                         # prompts x n in one request
 MAX_TOOLS = 128
 MAX_DETOKENIZE = 1 << 20                  # token ids in one /detokenize
+MAX_PROMPT_SCORING = LIMITS.max_prompt_scoring   # one request's prompt scoring: sum over its prompts x n of
+#                                                 prompt tokens x (top N + 1) entries
 MAX_METADATA = 16                         # Responses metadata entries (OpenAI's bounds)
 MAX_METADATA_KEY = 64                     # characters of a metadata key
 MAX_METADATA_VALUE = 512                  # characters of a metadata value

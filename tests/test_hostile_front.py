@@ -154,3 +154,25 @@ def test_the_front_as_serve_sh_starts_it_answers_tokenize_and_detokenize(triton,
         assert d.status_code == 200 and d.json()["prompt"] == PROMPT, d.text
     finally:
         f.stop()
+
+
+def test_prompt_scoring_over_the_per_request_budget_is_refused_before_any_work(front, solo):
+    """prompt tokens x (top N + 1), summed over prompts and n, at most MAX_PROMPT_SCORING (65536) per request: a
+    scoring request over it is a 400 naming its field (text prompts counted by the tokenizer model), one under it
+    is served, and the greedy client beside is exact."""
+    from openai_frontend.protocol import MAX_PROMPT_SCORING
+
+    assert MAX_PROMPT_SCORING == 65536
+    ids = [9707] * 400
+    cases = [({"prompt": [ids] * 8, "prompt_logprobs": 20}, "prompt_logprobs"),          # 8 x 400 x 21 = 67,200
+             ({"prompt": [ids] * 6, "n": 2, "echo": True, "logprobs": 5}, "logprobs"),    # 12 x 400 x 6 = 28,800: ok
+             ({"prompt": ["fox " * 390] * 4, "n": 2, "prompt_logprobs": 20}, "prompt_logprobs")]   # text, counted
+    answers = []
+    for fields, param in cases:
+        r = requests.post(f"{front.url}/v1/completions", json={**GREEDY, "max_tokens": 1, **fields}, timeout=300)
+        answers.append(r.status_code)
+        if r.status_code == 400:
+            err = r.json()["error"]
+            assert err["param"] == param and "over the budget of 65536 per request" in err["message"], err
+    assert answers == [400, 200, 400], answers
+    assert _greedy(front) == solo

@@ -121,6 +121,12 @@ class LLMEngine:
         if params.priority and self.cfg.scheduling_policy != "priority":
             raise RequestError(f"priority: {params.priority} needs the model parameter scheduling_policy: priority "
                                "(this model schedules fcfs)")
+        if params.prompt_logprobs is not None:   # bounded work: scoring costs prompt tokens x (top N + 1)
+            cost, budget = len(prompt_ids) * (params.prompt_logprobs + 1), self.cfg.limits.max_prompt_scoring
+            if cost > budget:
+                raise RequestError(f"prompt_logprobs: scoring {len(prompt_ids)} prompt tokens with "
+                                   f"{params.prompt_logprobs} alternatives each is {cost} entries, over this model's "
+                                   f"budget of {budget} (max_prompt_scoring)")
         room = self.max_model_len - len(prompt_ids)
         if params.max_tokens is not None and params.max_tokens > room:   # as vLLM: an error, not a clamp
             raise RequestError(f"max_tokens: {params.max_tokens} exceeds the {room} tokens left in the context "

@@ -35,6 +35,8 @@ class SamplingLimits:
     max_logit_bias: int = 1024            # logit_bias entries
     max_bad_words: int = 64
     max_bad_word_len: int = 256
+    # prompt scoring (prompt_logprobs) of one request: prompt tokens x (alternatives + 1) entries at most
+    max_prompt_scoring: int = 65536
 
 
 @dataclass(frozen=True)
