@@ -2,7 +2,7 @@
 [--api-key KEY]
 [--reasoning-parser qwen3|none] [--responses-store-count N] [--responses-store-mib MIB]
 [--lora-modules name=path ...] [--lora-base-model MODEL]
-[--request-read-timeout S] [--keep-alive-timeout S] [--max-connections N]"""
+[--request-read-timeout S] [--keep-alive-timeout S] [--max-connections N] [--send-buffer-kib KIB]"""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,8 @@ import uvicorn
 
 from backend_lib.sampling.errors import RequestError
 from .app import create_app
-from .connections import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, bounded_h11
+from .connections import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, DEFAULT_SEND_BUFFER,
+                          bounded_h11)
 from .responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
 
 
@@ -52,12 +53,17 @@ def main(argv=None) -> int:
                     help="seconds an idle keep-alive connection stays open between two requests")
     ap.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                     help="open connections at most; one more is answered 503 and closed at once")
+    ap.add_argument("--send-buffer-kib", type=int, default=DEFAULT_SEND_BUFFER // 1024,
+                    help="KiB a connection may hold unsent (socket and write buffer) before its response pauses; a "
+                         "stream whose client stops reading is then ended after MAX_UNREAD responses")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--shutdown-timeout", type=float, default=3.0,
                     help="seconds a stop signal waits for open responses (after aborting their Triton streams)")
     args = ap.parse_args(argv)
-    if args.request_read_timeout <= 0 or args.keep_alive_timeout < 1 or args.max_connections < 1:
-        ap.error("--request-read-timeout must be > 0, --keep-alive-timeout and --max-connections >= 1")
+    if args.request_read_timeout <= 0 or args.keep_alive_timeout < 1 or args.max_connections < 1 or \
+            args.send_buffer_kib < 4:
+        ap.error("--request-read-timeout must be > 0, --keep-alive-timeout and --max-connections >= 1, "
+                 "--send-buffer-kib >= 4")
     tokenizer = None
     if args.tokenizer:
         from backend_lib.tokenizer import Tokenizer
@@ -78,7 +84,8 @@ def main(argv=None) -> int:
                      model_repository=os.path.abspath(args.model_repository) if args.model_repository else None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.keep_alive_timeout,
-                            http=bounded_h11(args.request_read_timeout, args.max_connections))
+                            http=bounded_h11(args.request_read_timeout, args.max_connections,
+                                             args.send_buffer_kib * 1024))
     BoundedShutdownServer(config, app.state.gateway).run()
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 
 import h11
@@ -22,6 +23,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_KEEP_ALIVE_S = 5       # uvicorn's own default (idle time between two requests of one connection)
 DEFAULT_MAX_CONNECTIONS = 1024
+# what one connection may hold unsent: the kernel's send buffer (SO_SNDBUF; Linux doubles it) and the transport's
+# write buffer before it pauses the response (uvicorn's flow control); a stream whose client stops reading then
+# blocks at its next chunk, and its Triton stream ends at gateway.MAX_UNREAD responses unread
+DEFAULT_SEND_BUFFER = 64 * 1024
 LOG_PERIOD_S = 60.0
 log = logging.getLogger("openai_frontend")
 
@@ -34,6 +39,7 @@ TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json
 class BoundedH11Protocol(H11Protocol):
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    send_buffer: int = DEFAULT_SEND_BUFFER
 
     def connection_made(self, transport: asyncio.Transport) -> None:   # type: ignore[override]
         super().connection_made(transport)
@@ -43,6 +49,13 @@ class BoundedH11Protocol(H11Protocol):
             transport.write(TOO_MANY)
             transport.close()
             return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
+            except OSError:
+                pass
+        transport.set_write_buffer_limits(high=self.send_buffer)
         self._arm_read_timer()
 
     @classmethod
@@ -85,10 +98,11 @@ class BoundedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
 
-def bounded_h11(read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type[BoundedH11Protocol]:
+def bounded_h11(read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                send_buffer: int = DEFAULT_SEND_BUFFER) -> type[BoundedH11Protocol]:
     """The protocol class for uvicorn.Config(http=...), with these bounds."""
-    if read_timeout_s <= 0 or max_connections < 1:
-        raise ValueError("the read timeout must be > 0 and max_connections >= 1")
+    if read_timeout_s <= 0 or max_connections < 1 or send_buffer < 4096:
+        raise ValueError("the read timeout must be > 0, max_connections >= 1 and the send buffer >= 4096 bytes")
     return type("BoundedH11", (BoundedH11Protocol,), {"read_timeout_s": float(read_timeout_s),
-                                                      "max_connections": int(max_connections)})
+                                                      "max_connections": int(max_connections),
+                                                      "send_buffer": int(send_buffer)})

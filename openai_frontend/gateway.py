@@ -90,6 +90,9 @@ ABORT_WAIT_S = 10.0   # an aborted request's final response comes in millisecond
 # a close() before the abort token came: the abort is sent when the token does (the model returns it at admission,
 # which a request queued behind a full batch may wait for); the stream is cancelled only if none came in this time
 TOKEN_WAIT_S = 120.0
+# responses a consumer may leave unread (a stream whose client stopped reading: its response is paused at the
+# socket's bound, connections.py); past this the request is aborted, so it never holds the model's slot
+MAX_UNREAD = 128
 SHUTDOWN_WAIT_S = 2.0   # at shutdown the streams were aborted at the signal: they are over or never will be
 _END = object()
 
@@ -121,6 +124,7 @@ class TritonStream:
         self.abort_token: str | None = None   # from the first response (return_abort_token)
         self._abort_pending = False   # close() came before the abort token
         self.fell_back_to_cancel = False
+        self.unread_abort = False     # aborted because its consumer left MAX_UNREAD responses unread
         self._abort_wait_s = abort_wait_s
         self._token_wait_s = token_wait_s
         self._watchdog_s = 0.0
@@ -195,6 +199,11 @@ class TritonStream:
                 delta = _delta(result)
                 if not self._closing:
                     self._deltas.put_nowait(delta)
+                    if self._deltas.qsize() >= MAX_UNREAD and not delta.final and not self.aborted:
+                        log.warning("Triton request %s: %d responses unread (the client stopped reading); aborting it",
+                                    self.request_id, MAX_UNREAD)
+                        self.unread_abort = True
+                        self.abort()
                 if delta.final:
                     self._generation_ended()
         except (grpc.RpcError, InferenceServerException) as exc:

@@ -136,7 +136,9 @@ def _keep_top(delta: Delta, n: int | None) -> Delta:
 
 async def _merged(choices: list[Choice]):
     """(choice number, delta) from every choice's stream as they come; a stream's error is raised."""
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: a consumer that stops (a client that stopped reading) stops the pumps, and each choice's own stream
+    # then ends its request at gateway.MAX_UNREAD responses unread
+    queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(choices))
     done = object()
 
     async def pump(i: int, choice: Choice):

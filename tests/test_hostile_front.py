@@ -29,7 +29,8 @@ def _greedy(front) -> str:
 @pytest.fixture(scope="module")
 def front(triton, tmp_path_factory):
     f = Front(triton.grpc_url, tmp_path_factory.mktemp("hostile") / "front.log", "--triton-metrics-url", "",
-              "--request-read-timeout", "1.5", "--max-connections", "48", "--responses-store-mib", "0.003")
+              "--request-read-timeout", "1.5", "--max-connections", "48", "--responses-store-mib", "0.003",
+              "--send-buffer-kib", "8")
     yield f
     f.stop()
 
@@ -176,3 +177,37 @@ def test_prompt_scoring_over_the_per_request_budget_is_refused_before_any_work(f
             assert err["param"] == param and "over the budget of 65536 per request" in err["message"], err
     assert answers == [400, 200, 400], answers
     assert _greedy(front) == solo
+
+
+def test_a_stream_whose_client_never_reads_is_ended_and_frees_the_model(triton, front, solo):
+    """Two clients that send a 900-token stream and never read a byte: the front's response pauses at the socket's
+    bound (--send-buffer-kib), the Triton stream ends its request at MAX_UNREAD responses unread (finish_reason
+    abort, well before 900 tokens), the KV pages come back while the sockets are still open, and a greedy client
+    beside is exact."""
+    body = json.dumps({**GREEDY, "max_tokens": 900, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: "
+               + str(len(body)).encode() + b"\r\n\r\n" + body)
+    aborted = triton.finished_total("qwen3_a8w8", "abort")
+    lengths = triton.finished_total("qwen3_a8w8", "length")
+    sleepers = []
+    for _ in range(2):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", front.port))
+        s.sendall(request)
+        sleepers.append(s)
+    try:
+        t0 = time.time()
+        assert _greedy(front) == solo
+        assert triton.wait_until(lambda: triton.finished_total("qwen3_a8w8", "abort") >= aborted + 2, 120), \
+            "a stream nobody reads held its request"
+        ended_s = time.time() - t0
+        used = lambda: triton.metric("vllm:kv_cache_pages_used", "qwen3_a8w8")  # noqa: E731
+        assert triton.wait_until(lambda: used() == 0, 20)
+        assert triton.finished_total("qwen3_a8w8", "length") == lengths + 1   # only the greedy request ran out
+    finally:
+        for s in sleepers:
+            s.close()
+    assert "responses unread (the client stopped reading); aborting it" in open(front.log_path).read()
+    print(f"\nunread streams: 2 clients that never read a 900-token stream; both requests aborted {ended_s:.1f} s "
+          f"after they were sent, KV pages back to 0 with their sockets still open")
