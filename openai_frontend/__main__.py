@@ -12,7 +12,7 @@ import sys
 
 import uvicorn
 
-from backend_lib.sampling.errors import RequestError
+from backend_lib.contract.errors import RequestError
 from .app import create_app
 from .connections import (DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, DEFAULT_SEND_BUFFER,
                           bounded_h11)

@@ -78,3 +78,13 @@ def triton(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
                           env={"HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1"}).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def moe_bf16_ckpt(ckpts) -> Path:
+    return ckpts.get("tiny-moe-bf16", "bf16", "tiny-moe")
+
+
+@pytest.fixture(scope="session")
+def moe_a8w8_ckpt(ckpts) -> Path:
+    return ckpts.get("tiny-moe-a8w8", "a8w8", "tiny-moe")

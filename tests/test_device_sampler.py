@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from backend_lib.sampling import RequestError, SampleError, Sampler, SamplingLimits, SamplingParams
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.fields import SamplingLimits
+from backend_lib.sampling import SampleError, Sampler, SamplingParams
 from backend_lib.sampling import device_sampler
 from backend_lib.sampling.device_sampler import DeviceSampler
+from helpers import EXTREMES
 
 V = 300
 KINDS = [dict(temperature=0), dict(temperature=0.8), dict(temperature=1.3, top_k=20), dict(top_p=0.9),
@@ -179,9 +182,7 @@ def test_the_engine_with_the_device_sampler_gives_the_host_samplers_outputs(bf16
 
 
 def test_numerically_extreme_parameters_give_the_host_samplers_ids():
-    """tests/test_isolation.py's extremes (overflowing temperatures and penalties, vanishing top_p, min_p 1)."""
-    from test_isolation import EXTREMES
-
+    """helpers.EXTREMES (overflowing temperatures and penalties, vanishing top_p, min_p 1), test_isolation's."""
     kinds = [{k: v for k, v in e.items() if k not in ("max_tokens", "seed")} for e in EXTREMES]
     for step in range(8):
         logits = torch.randn(len(kinds), V, generator=torch.Generator().manual_seed(50 + step)) * 4

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from backend_lib.sampling.structured import StructuredSpec
+from backend_lib.contract.structured import StructuredSpec
 from openai_frontend.errors import APIError
 from openai_frontend.formats import ChatFormat, TokenNames
 from openai_frontend.gateway import Delta

@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from backend_lib.sampling.params import RequestError
-from backend_lib.sampling.structured import StructuredSpec, spec_from_sampling
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.structured import StructuredSpec, spec_from_sampling
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -216,7 +216,7 @@ def test_fuzzed_structured_outputs_fail_alone_with_a_request_error(engine, promp
 def test_json_integers_are_bounded_to_16_digits_by_default_a_schemas_own_bounds_winning(engine):
     """llama.cpp's integral part `[1-9] [0-9]{0,15}`: an integer with no bound of its own takes at most 16 digits
     (a random model once wrote a 64-digit one); a schema's own bounds win; numbers keep exponents and -0."""
-    from backend_lib.sampling.structured import INTEGER_BOUND, bound_integers
+    from backend_lib.contract.structured import INTEGER_BOUND, bound_integers
 
     plain = {"json": {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}}}}
     assert _accepts(engine, plain, '{"n": 9999999999999999, "x": 1e5}')

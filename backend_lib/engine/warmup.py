@@ -17,7 +17,8 @@ from ..kv_cache.base import cache_class
 from ..kv_cache.metadata import AttentionMetadata
 from ..kv_cache.pool import parse_memory_budget
 from ..sampling.device_sampler import DeviceSampler, sample_batch
-from ..sampling.params import SamplingLimits, SamplingParams
+from ..contract.fields import SamplingLimits
+from ..sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

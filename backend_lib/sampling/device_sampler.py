@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import RequestError
+from ..contract.errors import RequestError
 from .sampler import GRAMMAR_BLOCKED, Sample, SampleError, Sampler
 
 log = logging.getLogger(__name__)

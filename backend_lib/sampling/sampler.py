@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import RequestError
+from ..contract.errors import RequestError
 from .structured import apply_mask
 
 
