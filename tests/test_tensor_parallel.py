@@ -41,6 +41,16 @@ def test_a8w8_tp2_computes_tp1s_bits(a8w8_ckpt):
         assert len(set(two[dtype][0]["batched"][0][0])) > 1   # the random model does not collapse into one token
 
 
+def test_moe_a8w8_tp2_with_experts_split_computes_tp1s_bits(moe_a8w8_ckpt):
+    """Qwen3-MoE at TP = 2: attention sharded by heads, the experts split whole across the ranks (expert parallel,
+    parallel/moe.py), each pair's output taken from its expert's rank and combined in TP = 1's order."""
+    one = run_check(moe_a8w8_ckpt, 1, "--dtype", DTYPES)
+    two = run_check(moe_a8w8_ckpt, 2, "--dtype", DTYPES)
+    for dtype in DTYPES.split(","):
+        assert two[dtype] == one[dtype], dtype
+        alone_equals_batched(two[dtype][0])
+
+
 def test_float_tp2_is_deterministic_and_batch_invariant(bf16_ckpt):
     runs = run_check(bf16_ckpt, 2, "--dtype", "bfloat16", "--repeat", "2")["bfloat16"]
     assert runs[0] == runs[1]

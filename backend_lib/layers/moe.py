@@ -28,8 +28,8 @@ class Qwen3SparseMoe(nn.Module):
                  norm_topk_prob: bool, kernels: Kernels):
         super().__init__()
         self.gate = router
-        self.experts = nn.ModuleList(nn.ModuleList(pair) for pair in experts)
-        self.expert_pairs = [tuple(pair) for pair in experts]   # the slot's argument (no ModuleList indexing)
+        self.experts = nn.ModuleList(nn.ModuleList(pair or ()) for pair in experts)
+        self.expert_pairs = [None if pair is None else tuple(pair) for pair in experts]   # the slot's argument
         self.top_k, self.norm_topk_prob, self.kernels = top_k, norm_topk_prob, kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,11 +38,12 @@ class Qwen3SparseMoe(nn.Module):
 
 
 def load_sparse_moe(store: WeightStore, prefix: str, hidden: int, moe, scheme: QuantScheme | None,
-                    dtype: torch.dtype, device: torch.device, kernels: Kernels) -> Qwen3SparseMoe:
+                    dtype: torch.dtype, device: torch.device, kernels: Kernels, owned=None) -> Qwen3SparseMoe:
     """The sparse MLP `prefix` (e.g. model.layers.3.mlp): router `prefix.gate`, experts either per expert as the
     published checkpoints store them (`prefix.experts.E.{gate,up,down}_proj`, in every format load_linear reads)
     or as the fused 3-D float tensors of transformers' in-memory layout (`prefix.experts.gate_up_proj`
-    [E, 2I, H], `prefix.experts.down_proj` [E, H, I])."""
+    [E, 2I, H], `prefix.experts.down_proj` [E, H, I]). owned(e) False: expert e is not loaded (None in its place:
+    another expert-parallel rank holds it)."""
     e_n, inter = moe.num_experts, moe.moe_intermediate_size
     gptq_like = scheme is not None and scheme.int4 is not None and scheme.int4.format in ("gptq", "awq")
     if gptq_like and store.has(f"{prefix}.gate.weight"):
@@ -59,6 +60,9 @@ def load_sparse_moe(store: WeightStore, prefix: str, hidden: int, moe, scheme: Q
         gate_up = store.get(fused, (e_n, 2 * inter, hidden), FLOAT_DTYPES)
         down = store.get(down_name, (e_n, hidden, inter), FLOAT_DTYPES)
         for e in range(e_n):
+            if owned is not None and not owned(e):
+                experts.append(None)
+                continue
             experts.append((FloatLinear(gate_up[e].to(device=device, dtype=dtype).contiguous(), kernels),
                             FloatLinear(down[e].to(device=device, dtype=dtype).contiguous(), kernels)))
     else:
@@ -67,6 +71,9 @@ def load_sparse_moe(store: WeightStore, prefix: str, hidden: int, moe, scheme: Q
             raise CheckpointError(f"checkpoint is missing tensor '{prefix}.experts.0.gate_proj.weight' (nor does it "
                                   f"hold the fused '{prefix}.experts.gate_up_proj')")
         for e in range(e_n):
+            if owned is not None and not owned(e):
+                experts.append(None)
+                continue
             p = f"{prefix}.experts.{e}"
             gate_up = load_linear(store, [f"{p}.gate_proj", f"{p}.up_proj"], [inter, inter], hidden, scheme, dtype,
                                   device, kernels)

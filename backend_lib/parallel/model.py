@@ -15,9 +15,11 @@ from ..kernels import Kernels
 from ..layers.attention import Qwen3Attention
 from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear
 from ..layers.mlp import Qwen3MLP
+from ..layers.moe import load_sparse_moe
 from ..models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
 from .group import TPGroup
 from .linear import RowParallelA8W8, RowParallelFloat
+from .moe import ExpertParallelMoe
 from .shard import HeadShard, head_rows, shard_heads, split
 
 log = logging.getLogger(__name__)
@@ -70,19 +72,15 @@ def local_config(cfg: ModelConfig, group: TPGroup) -> ModelConfig:
     """The rank's view of the architecture: its heads (the KV cache is sized from it)."""
     s = shard_heads(cfg.num_heads, cfg.num_kv_heads, group.rank, group.size)
     return replace(cfg, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
-                   intermediate_size=cfg.intermediate_size // group.size)
+                   intermediate_size=(cfg.intermediate_size or 0) // group.size)
 
 
 def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
                  device: torch.device, kernels: Kernels, max_positions: int, group: TPGroup,
                  with_head: bool = True) -> Qwen3ForCausalLM:
     """with_head False: a worker rank's model (rank 0 alone computes the logits): the embedding, no head."""
-    if cfg.moe is not None:
-        raise CheckpointError("tensor_parallel_size > 1: qwen3_moe checkpoints are not sharded yet (expert parallel "
-                              "is not done); serve them with tensor_parallel_size: 1")
     hid, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hs: HeadShard = shard_heads(cfg.num_heads, cfg.num_kv_heads, group.rank, group.size)
-    f = split(inter, group.rank, group.size, "intermediate_size")
     rd = _Reader(store, scheme, dtype, device, kernels, group)
 
     def dense(name, shape):
@@ -110,9 +108,14 @@ def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | Non
         attn = Qwen3Attention(i, qkv, o, dense(f"{p}.self_attn.q_norm.weight", (d,)),
                               dense(f"{p}.self_attn.k_norm.weight", (d,)), hs.num_heads, hs.num_kv_heads, d,
                               cfg.rms_norm_eps, kernels)
-        gate_up = rd.column([(f"{p}.mlp.gate_proj", inter, f), (f"{p}.mlp.up_proj", inter, f)], hid)
-        down = rd.row(f"{p}.mlp.down_proj", hid, inter, f)
-        layers.append(Qwen3DecoderLayer(attn, Qwen3MLP(gate_up, down, kernels),
+        if cfg.is_moe_layer(i):   # expert parallel: whole experts per rank (parallel/moe.py)
+            mlp = ExpertParallelMoe(load_sparse_moe(store, f"{p}.mlp", hid, cfg.moe, scheme, dtype, device, kernels,
+                                                    owned=lambda e: e % group.size == group.rank), group)
+        else:
+            f = split(inter, group.rank, group.size, "intermediate_size")
+            gate_up = rd.column([(f"{p}.mlp.gate_proj", inter, f), (f"{p}.mlp.up_proj", inter, f)], hid)
+            mlp = Qwen3MLP(gate_up, rd.row(f"{p}.mlp.down_proj", hid, inter, f), kernels)
+        layers.append(Qwen3DecoderLayer(attn, mlp,
                                         dense(f"{p}.input_layernorm.weight", (hid,)),
                                         dense(f"{p}.post_attention_layernorm.weight", (hid,)),
                                         cfg.rms_norm_eps, kernels))
@@ -120,5 +123,6 @@ def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | Non
     norm = dense("model.norm.weight", (hid,))
     model = Qwen3ForCausalLM(local_config(cfg, group), embed, layers, norm, lm_head, max_positions, kernels)
     model.use_layer_loop = False      # the C++ region has no collectives
-    log.info("rank %d/%d: heads %s, KV heads %s, MLP columns %s", group.rank, group.size, hs.heads, hs.kv_heads, f)
+    log.info("rank %d/%d: heads %s, KV heads %s%s", group.rank, group.size, hs.heads, hs.kv_heads,
+             ", experts e % {0} == {1}".format(group.size, group.rank) if cfg.moe is not None else "")
     return model
