@@ -30,6 +30,11 @@ def make_texts(tokenizer, n: int, tokens: int, seed: int) -> list[str]:
     return out
 
 
+def _progress(row: dict, quiet: bool) -> None:
+    if not quiet:
+        print(json.dumps(row), flush=True)
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -85,10 +90,12 @@ def main(argv=None) -> int:
             s = _timed(fn)
             rows.append({"round": r, "system": name, "mode": "throughput", "texts": len(texts), "seconds": s,
                          "texts_per_s": len(texts) / s, "tokens_per_s": sum(lengths) / s})
+            _progress(rows[-1], args.json)
         for name, fn in [(k, (lambda m=m: run_ours(m, [query]))) for k, m in ours.items()] + [(name_st,
                                                                                             lambda: run_st([query]))]:
             lat = statistics.median(_timed(fn) for _ in range(5))
             rows.append({"round": r, "system": name, "mode": "latency", "seconds": lat})
+            _progress(rows[-1], args.json)
     summary = {"texts": len(texts), "mean_tokens": sum(lengths) / len(lengths),
                "query_tokens": len(any_model.encode(query)), "threads": torch.get_num_threads(),
                "min_cosine_vs_st": agree}
@@ -107,8 +114,6 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"rows": rows, "summary": summary}))
     else:
-        for row in rows:
-            print(json.dumps(row))
         print(json.dumps(summary, indent=2))
     return 0
 
