@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from backend_lib.sampling import RequestError, SampleError, Sampler, SamplingLimits, SamplingParams
 from backend_lib.serving.triton_tokenizer import tokenize_request
+from sampling_helpers import EXTREMES
 from helpers import CONVERSATIONS
 
 FUZZ = settings(max_examples=int(os.environ.get("QWEN3_FUZZ_EXAMPLES", "25")), deadline=None, derandomize=True,
@@ -38,15 +39,6 @@ def _run_beside_references(eng, odd_prompt, odd_params, references):
     assert [r["output_ids"] for r in results[:-1]] == references, "a well-behaved request changed its tokens"
     assert eng.block_manager.num_used == 0 and not eng.has_unfinished()
     return results[-1]
-
-
-EXTREMES = [
-    {"temperature": 1e-30}, {"temperature": 1e-6, "top_p": 1e-300}, {"temperature": 1e4},
-    {"temperature": 0.7, "repetition_penalty": 1e-300}, {"temperature": 1.0, "repetition_penalty": 1e4},
-    {"temperature": 5e-5, "min_p": 1.0}, {"top_p": 5e-324, "top_k": 1, "temperature": 2.0},
-    {"temperature": 1.0, "presence_penalty": 2, "frequency_penalty": -2, "min_tokens": 8, "max_tokens": 8},
-    {"temperature": 1e-5, "logprobs": 20, "seed": 2**64 - 1},
-]
 
 
 @pytest.mark.parametrize("fields", EXTREMES, ids=[json.dumps(e) for e in EXTREMES])

@@ -10,7 +10,6 @@ from ..checkpoint import WeightStore
 from ..kv_cache import allocate_kv_cache
 from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
-from ..sampling.device_sampler import DeviceSampler
 from ..sampling.sampler import Sample, SampleError, Sampler
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
@@ -38,9 +37,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels, cfg.kv_cache_memory,
                                           cfg.page_size, max_model_len, cfg.max_num_seqs, nbytes=nbytes,
                                           seed=cfg.tq_seed)
+        # one pipeline wherever the logits are (off the CPU without a host sync: ids and logprobs travel back)
         self.sampler = Sampler()
-        # CUDA: the batched pass where the logits are (ids and logprobs travel, not B x vocab logits)
-        self.device_sampler = DeviceSampler(self.sampler) if device.type == "cuda" else None
         self.lora_ctx = None
         if cfg.lora_enabled:   # LoRA: the fused linears wrapped (backend_lib/lora/layer.py)
             from ..lora.layer import LoraContext, attach
@@ -134,12 +132,7 @@ class ModelRunner:
             if not seqs:
                 return []
             logits = self.model.logits(hidden[rows])
-        if self.device_sampler is not None:
-            return list(zip(seqs, self.device_sampler(logits, seqs)))
-        samples = self.sampler.greedy_on_device(logits, seqs) if logits.device.type != "cpu" else None
-        if samples is None:
-            samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
-        return list(zip(seqs, samples))
+        return list(zip(seqs, self.sampler(logits, seqs)))
 
     def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta) -> torch.Tensor:
         """The model over a prepared step; with LoRA on, each row with its sequence's adapter."""
