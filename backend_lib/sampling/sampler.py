@@ -126,16 +126,15 @@ def _draw(vals: torch.Tensor, ids: torch.Tensor | None, top_p: torch.Tensor | No
     """One inverse-CDF draw per row of `vals` [G, L] (sorted descending when filtered; ids: the token of each
     column, None for the vocabulary's own order). min_p / top_p (fp32 [G], None: no row filters): the kept
     prefix (the most likely token always kept), the rest -inf. `narrow` (host only): the softmax and the CDF
-    over the widest kept prefix instead of all L columns (the same bits: the columns past it are -inf)."""
+    over the widest kept prefix instead of all L > 1024 columns (the same bits: the columns past it are -inf)."""
     G, L = vals.shape
     if top_p is not None:
         probs = torch.softmax(vals, dim=-1)
         keep = probs >= min_p.unsqueeze(1) * probs.narrow(1, 0, 1)        # min_p 0: every token passes
-        tp = top_p.unsqueeze(1)
-        keep &= ((probs.cumsum(dim=-1) - probs) < tp) | (tp >= 1.0)
-        keep |= torch.arange(L, device=vals.device).unsqueeze(0) == 0
+        keep &= (probs.cumsum(dim=-1) - probs) < top_p.unsqueeze(1)        # top_p off: 2.0, every token passes
+        keep.select(1, 0).fill_(True)
         n_keep = keep.sum(dim=-1)
-        if narrow:
+        if narrow and L > 1024:
             w = int(n_keep.max())
             vals, keep = vals.narrow(1, 0, w), keep.narrow(1, 0, w)
             ids = ids.narrow(1, 0, w)
@@ -144,7 +143,7 @@ def _draw(vals: torch.Tensor, ids: torch.Tensor | None, top_p: torch.Tensor | No
     else:
         last = torch.full((G,), L - 1, dtype=torch.int64, device=vals.device)
     cdf = torch.softmax(vals, dim=-1).cumsum(dim=-1)
-    total = cdf.narrow(1, cdf.shape[1] - 1, 1).squeeze(1)
+    total = cdf.select(1, -1)
     target = (u * total.double()).float()
     j = torch.minimum(torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1), last)
     return j if ids is None else ids.gather(1, j.unsqueeze(1)).squeeze(1)
@@ -199,6 +198,13 @@ class Sampler:
         for r in range(len(meta.rows)):
             out.extend(self.sample(logits.narrow(0, r, 1), meta.subset([r]), sync_free))
         return out
+
+    @staticmethod
+    def _rows(x: torch.Tensor, picked: list[int], put: _Inputs) -> torch.Tensor:
+        """Rows `picked` of x (x itself, a one-row view, or a gathered copy)."""
+        if len(picked) == x.shape[0]:
+            return x
+        return x.narrow(0, picked[0], 1) if len(picked) == 1 else x.index_select(0, put.long(picked))
 
     def device_pass(self, logits: torch.Tensor, meta: SamplingMetadata, sync_free: bool):
         """The ops over the batch, where the logits are: (the results as host lists, None), or sync_free (None,
@@ -290,7 +296,6 @@ class Sampler:
         sampled = [r for r in range(B) if not rows[r].greedy]
         if sampled:
             groups: dict = {}
-            groups_of: list = []
             for i, r in enumerate(sampled):
                 row = rows[r]
                 if row.top_k and row.top_k < V:
@@ -300,30 +305,32 @@ class Sampler:
                 else:
                     key = "plain"
                 groups.setdefault(key, []).append(i)
-                groups_of.append(key)
-            # off the CPU a group is one batch; on the CPU one row at a time (the same ops on a [1, V] slice: a
-            # batch's V-wide temporaries cost the host allocator fresh pages at every op, ~4x the row's time)
-            chunks = [m for members in groups.values() for m in ([members] if sync_free else [[i] for i in members])]
-            for members in chunks:
-                key = groups_of[members[0]]
+            # Off the CPU a group is one batch. On the CPU the vocabulary-wide ops (temperature, clamp, sort or
+            # top-k) run one row at a time (a batch's V-wide temporaries cost the host allocator fresh pages at
+            # every op, ~4x the row's time), a top-k group's draw over its k columns once for the group.
+            for key, members in groups.items():
                 where = [sampled[i] for i in members]
-                picked = [rows[r] for r in where]
-                src = x if len(where) == B else (
-                    x.narrow(0, where[0], 1) if len(where) == 1 else x.index_select(0, put.long(where)))
-                tg = _finite(src / put.f32([row.temperature for row in picked]).unsqueeze(1))
-                u = put.f64([row.uniform for row in picked])
-                if key == "plain":
-                    got = _draw(tg, None, None, None, u, not sync_free)
-                else:
-                    vals, ids = torch.sort(tg, dim=-1, descending=True) if key == "sort" else torch.topk(tg, key, dim=-1)
-                    filt = any(row.min_p > 0 or row.top_p < 1.0 for row in picked)
-                    got = _draw(vals, ids, put.f32([row.top_p for row in picked]) if filt else None,
-                                put.f32([row.min_p for row in picked]) if filt else None, u, not sync_free)
-                if sync_free:
-                    token.index_copy_(0, put.long(where), got)
-                else:
-                    for r, tok in zip(where, got.tolist()):
-                        tokens[r] = tok
+                wide = key in ("plain", "sort") and not sync_free
+                for chunk in ([[r] for r in where] if wide else [where]):
+                    picked = [rows[r] for r in chunk]
+                    if sync_free or wide:
+                        tg = _finite(self._rows(x, chunk, put) / put.f32([row.temperature for row in picked]).unsqueeze(1))
+                        vals, ids = (tg, None) if key == "plain" else (
+                            torch.sort(tg, dim=-1, descending=True) if key == "sort" else torch.topk(tg, key, dim=-1))
+                    else:
+                        tops = [torch.topk(_finite(x.narrow(0, r, 1) / row.temperature), key, dim=-1)
+                                for r, row in zip(chunk, picked)]
+                        vals, ids = tops[0] if len(tops) == 1 else (torch.cat([v for v, _ in tops]),
+                                                                    torch.cat([i for _, i in tops]))
+                    filt = key != "plain" and any(row.min_p > 0 or row.top_p < 1.0 for row in picked)
+                    got = _draw(vals, ids, put.f32([row.top_p if row.top_p < 1.0 else 2.0 for row in picked])
+                                if filt else None, put.f32([row.min_p for row in picked]) if filt else None,
+                                put.f64([row.uniform for row in picked]), not sync_free)
+                    if sync_free:
+                        token.index_copy_(0, put.long(chunk), got)
+                    else:
+                        for r, tok in zip(chunk, got.tolist()):
+                            tokens[r] = tok
 
         # logprobs from the raw logits: the sampled token's, its rank (1 = the most likely) and the top N
         lp_rows = [r for r in range(B) if rows[r].logprobs is not None]
