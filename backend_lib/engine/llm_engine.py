@@ -182,30 +182,31 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.core_share is not None:
             self.core_share.before_step()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.next_step()
         if not plan:
             if self.scheduler.waiting and not self.scheduler.running:
                 # Nothing fits even into an empty pool: cannot happen with a validated pool, but never spin.
                 return self.abort_all("error", "KV cache too small for the waiting request")
             return []
-        for src, dst in self.scheduler.take_page_copies():   # partial prompt pages taken by copy (scheduler)
-            self.runner.kv_cache.copy_page(src, dst)
-            self.block_manager.unpin(src)
         try:
-            results = self.runner.execute(plan)
+            result = self.runner.execute(plan)
         except Exception as exc:  # a fault in the forward: fail this step's requests, keep serving
+            self.scheduler.update(plan, None)
             self.publish_stats(num_failed_steps=1)
-            log.exception("engine step failed; failing %d request(s)", len(plan))
-            return [self._finish(seq, "error", f"engine step failed: {exc}") for seq, _ in plan]
-        for seq, n in plan:
-            seq.num_computed += n
-            self.scheduler.cache_full_pages(seq)
+            log.exception("engine step failed; failing %d request(s)", len(plan.seqs))
+            return [self._finish(seq, "error", f"engine step failed: {exc}") for seq, _ in plan.seqs]
+        self.scheduler.update(plan, result)
+        for seq, chunk in result.prompt_logprobs:
+            try:
+                self.output.record_prompt_logprobs(seq, chunk)
+            except Exception as exc:   # this request's prompt_logprobs broke: it fails alone
+                seq.failure = f"prompt_logprobs: recording them failed ({exc})"
         outputs = []
-        for seq, _ in plan:
+        for seq, _ in plan.seqs:
             if seq.failure is not None and seq.finish_reason is None:
                 log.warning("request %s failed: %s", seq.request_id, seq.failure)
                 outputs.append(self._finish(seq, "error", seq.failure))
-        for seq, sample in results:
+        for seq, sample in result.samples:
             if seq.finish_reason is not None:   # failed above
                 continue
             if isinstance(sample, SampleError):
@@ -290,8 +291,5 @@ class LLMEngine:
             raise RequestError(f"ids: {len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
         seq = Sequence("score", token_ids, SamplingParams(), 1, set())
         seq.lora = self.lora_adapter(SamplingParams(lora_name=lora_name))
-        try:
-            self.block_manager.grow(seq.block_table, len(token_ids))
+        with self.scheduler.scratch_pages(seq, len(token_ids)):
             return self.runner.prompt_logprobs(seq, self.cfg.max_num_batched_tokens)
-        finally:
-            self.block_manager.free(seq.block_table)

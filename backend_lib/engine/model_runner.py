@@ -1,5 +1,7 @@
 """The device side of the engine: builds and owns the model, the KV cache and the sampler; turns a
-scheduled step into tensors, runs the model and samples the sequences that reached their end."""
+scheduled step (a StepPlan) into tensors, copies the pages the scheduler asked for, runs the model and samples
+the sequences that reached their end. It returns tensors and samples (a StepResult); the output processor turns
+them into what the API sends, the scheduler into the next step's state."""
 from __future__ import annotations
 
 import logging
@@ -10,9 +12,10 @@ from ..checkpoint import WeightStore
 from ..kv_cache import allocate_kv_cache
 from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
-from ..sampling.sampler import Sample, SampleError, Sampler
+from ..sampling.sampler import Sampler
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
+from .step import PromptLogprobs, StepPlan, StepResult
 from .warmup import CudaMemory, kv_budget_after_warmup, warm_up
 
 log = logging.getLogger(__name__)
@@ -115,24 +118,29 @@ class ModelRunner:
         return self.model.logits(self.model(input_ids, positions, self.kv_cache, meta))
 
     @torch.inference_mode()
-    def execute(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sample | SampleError]]:
+    def execute(self, plan: StepPlan) -> StepResult:
         """Runs the step; a raise here is a fault of the whole forward. Sampling faults are per row."""
+        for src, dst in plan.page_copies:   # partial prompt pages taken by copy (the scheduler's decision)
+            self.kv_cache.copy_page(src, dst)
         self.steps += 1
         if self.fault_every and self.steps % self.fault_every == 0:
             raise InjectedFault(f"injected fault at step {self.steps} (fault_injection every:{self.fault_every})")
+        steps = plan.seqs
+        result = StepResult()
         # a step with LoRA rows runs eagerly (the graphs hold the base model's forward only)
-        if self.graphs is not None and self.is_decode(plan) and not any(seq.lora for seq, _ in plan) and \
-                self.graphs.fits(len(plan), max(len(seq.block_table) for seq, _ in plan)):
-            seqs = [seq for seq, _ in plan]
-            logits = self.graphs.run(*self.decode_inputs(plan))
+        if self.graphs is not None and self.is_decode(steps) and not any(seq.lora for seq, _ in steps) and \
+                self.graphs.fits(len(steps), max(len(seq.block_table) for seq, _ in steps)):
+            seqs = [seq for seq, _ in steps]
+            logits = self.graphs.run(*self.decode_inputs(steps))
         else:
-            input_ids, positions, meta, rows, seqs = self.prepare(plan)
-            hidden = self.forward(plan, input_ids, positions, meta)
-            self._record_prompt_logprobs(plan, hidden)
+            input_ids, positions, meta, rows, seqs = self.prepare(steps)
+            hidden = self.forward(steps, input_ids, positions, meta)
+            result.prompt_logprobs = self._prompt_logprobs(steps, hidden)
             if not seqs:
-                return []
+                return result
             logits = self.model.logits(hidden[rows])
-        return list(zip(seqs, self.sampler(logits, seqs)))
+        result.samples = list(zip(seqs, self.sampler(logits, seqs)))
+        return result
 
     def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta) -> torch.Tensor:
         """The model over a prepared step; with LoRA on, each row with its sequence's adapter."""
@@ -143,10 +151,11 @@ class ModelRunner:
         with self.lora_ctx.use(LoraBatch.of([seq.lora for seq, n in plan for _ in range(n)], self.device)):
             return self.model(input_ids, positions, self.kv_cache, meta)
 
-    def _record_prompt_logprobs(self, plan: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
+    def _prompt_logprobs(self, plan: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[tuple[Sequence, PromptLogprobs]]:
         """prompt_logprobs from this step's forward (no second pass): the logits of every row of a
         sequence's prompt chunk, computed over the chunk's rows as LLMEngine.score computes them, so the
-        values are score's. A failure fails that request alone (seq.failure)."""
+        values are score's. A failure fails that request alone (its PromptLogprobs carries the error)."""
+        out = []
         off = 0
         for seq, n in plan:
             rows, off = slice(off, off + n), off + n
@@ -158,19 +167,19 @@ class ModelRunner:
                 continue
             try:
                 logp = torch.log_softmax(self.model.logits(hidden[rows]).float(), dim=-1).cpu()
-                top = torch.topk(logp, k, dim=-1) if k else None
-                for i in range(n):
-                    t = start + i + 1                   # the prompt token that row i predicts
-                    if t < done or t >= num_prompt:
-                        continue
-                    tok = seq.prompt_ids[t]
-                    lp = logp[i, tok]
-                    seq.prompt_logprobs.append({
-                        "id": tok, "logprob": lp.item(), "rank": int((logp[i] > lp).sum()) + 1,
-                        "top": [] if top is None else [{"id": j, "logprob": v} for j, v in
-                                                       zip(top.indices[i].tolist(), top.values[i].tolist())]})
+                # row i predicts prompt token start + i + 1; those from `done` on are new
+                lo, hi = max(done, start + 1) - start - 1, min(num_prompt, start + n + 1) - start - 1
+                picked = logp[lo:hi]
+                ids = seq.prompt_ids[start + lo + 1:start + hi + 1]
+                lp = picked.gather(1, torch.tensor(ids, dtype=torch.int64).unsqueeze(1))
+                chunk = PromptLogprobs(start + lo + 1, ids, lp.squeeze(1), (picked > lp).sum(dim=-1) + 1)
+                if k:
+                    top = torch.topk(logp, k, dim=-1)
+                    chunk.top_ids, chunk.top_logprobs = top.indices[lo:hi], top.values[lo:hi]
             except Exception as exc:
-                seq.failure = f"prompt_logprobs: computing them failed ({exc})"
+                chunk = PromptLogprobs(error=f"prompt_logprobs: computing them failed ({exc})")
+            out.append((seq, chunk))
+        return out
 
     @torch.inference_mode()
     def prompt_logprobs(self, seq: Sequence, chunk: int) -> tuple[list[float | None], list[int]]:

@@ -37,10 +37,9 @@ class Sequence:
         self.grammar = grammar                 # structured output: a GrammarState, or None
         self.finish_reason: str | None = None
         self.failure: str | None = None        # a per-request fault found outside sampling (fails it alone)
-        # prompt_logprobs: one entry per prompt token, filled during the prefill; the first has no context
-        # (logprob None) and is there to name the token
-        self.prompt_logprobs: list[dict] = [] if params.prompt_logprobs is None else [
-            {"id": self.prompt_ids[0], "logprob": None, "rank": None, "top": []}]
+        # prompt_logprobs: one entry per prompt token, filled during the prefill (by OutputProcessor, which
+        # builds the entries; the first has no context and names the token)
+        self.prompt_logprobs: list[dict] = []
         self.prompt_logprobs_sent = False
         self.arrival = 0                       # admission order (the scheduler's tie-break)
         self.num_cached_tokens: int | None = None   # prompt tokens served from the prefix cache (admission)
