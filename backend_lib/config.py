@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from .kernels import KERNEL_BACKENDS
 from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
-from .sampling.params import SamplingLimits
+from .contract.fields import SamplingLimits
 
 
 LM_HEAD_QUANTS = ("checkpoint", "int8")
@@ -44,6 +44,7 @@ class EngineConfig:
     max_lora_rank: int = 16                # adapters of a higher rank are refused
     lora_modules: str | dict | None = None  # name=path pairs, or a JSON object {name: path}; + multi_lora.json
     allow_runtime_lora: bool = False       # requests may carry lora_path (an adapter loaded on first use)
+    tensor_parallel_size: int = 1          # ranks the model is sharded over (backend_lib/parallel): rank 0 here
     limits: SamplingLimits = field(default_factory=SamplingLimits)
 
     @classmethod
@@ -61,7 +62,8 @@ class EngineConfig:
             else:
                 raise ValueError(f"parameter {key!r} is not known (known: {', '.join(sorted(known | limit_names))})")
         for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens", "tq_seed",
-                    "max_model_len", "num_threads", "max_waiting_requests", "max_loras", "max_lora_rank"):
+                    "max_model_len", "num_threads", "max_waiting_requests", "max_loras", "max_lora_rank",
+                    "tensor_parallel_size"):
             if key in kwargs and kwargs[key] not in (None, ""):
                 kwargs[key] = _to_int(key, kwargs[key])
             elif key in kwargs:
@@ -133,6 +135,14 @@ class EngineConfig:
             from .lora.registry import parse_lora_modules
 
             parse_lora_modules(self.lora_modules)
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size: must be in [1, 64], got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            for name, on in (("enable_lora / lora_modules", self.lora_enabled), ("lm_head_quant: int8",
+                             self.lm_head_quant != "checkpoint"), ("cpu_share", bool(self.cpu_share))):
+                if on:
+                    raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} with {name} is not "
+                                     "supported yet (use tensor_parallel_size: 1)")
         return self
 
     @classmethod

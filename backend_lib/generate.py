@@ -15,7 +15,7 @@ import sys
 import time
 
 from .cli_common import add_engine_args, engine_config, parse_ids
-from .sampling.params import RequestError
+from .contract.errors import RequestError
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@
                               [--prompt-len 1024] [--repeats 3]
 
 The serving layer runs vLLM's `n` as n engine requests of one prompt, submitted together, choice j seeded
-seed + j (backend_lib/serving/triton_llm.py); the scheduler gives them one prefill: the first computes the
+seed + j (backend_lib/contract/choices.py); the scheduler gives them one prefill: the first computes the
 prompt, the others wait for its pages and take them from the prefix cache (backend_lib/engine/scheduler.py).
 This measures that path the same way: one sampled request of a fresh random prompt against n of a fresh
 prompt, alternated (A, B, A, B, ...) so that the machine's drifting bandwidth hits both alike. Reported: the

@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
-    from backend_lib.sampling.structured import StructuredSpec
+    from backend_lib.contract.structured import StructuredSpec
 
     eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="1GiB", max_num_seqs=8,
                                  max_model_len=1024, max_num_batched_tokens=512))

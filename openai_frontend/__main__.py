@@ -11,7 +11,7 @@ import sys
 
 import uvicorn
 
-from backend_lib.sampling.errors import RequestError
+from backend_lib.contract.errors import RequestError
 from .app import create_app
 from .responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
 

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from .embeddings_api import embedding_routes
+from .embeddings_protocol import EMBEDDING_BODIES
 from .errors import APIError, unauthorized
 from .formats import ChatFormat, CompletionFormat, TokenNames
 from .gateway import TritonGateway
@@ -148,6 +150,7 @@ def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, t
                                         reasoning, [Depends(_api_key_check(api_key))]))
     app.include_router(tokenize_routes(gateway, ModelTokenizers(gateway, tokenizer),
                                        [Depends(_api_key_check(api_key))]))
+    app.include_router(embedding_routes(gateway, [Depends(_api_key_check(api_key))]))
     mount_playground(app)   # the chat page at /
     _documented(app)
     return app
@@ -159,7 +162,7 @@ def _documented(app: FastAPI) -> None:
     def openapi():
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(component_schemas(BODIES))
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(component_schemas(BODIES + EMBEDDING_BODIES))
             app.openapi_schema = schema
         return app.openapi_schema
     app.openapi = openapi

@@ -5,6 +5,8 @@ import json
 import time
 import uuid
 
+from backend_lib.contract.finish import FinishReason
+
 from . import tool_calls
 from .gateway import Delta
 from .reasoning import Qwen3ReasoningParser
@@ -210,7 +212,7 @@ class ChatFormat(ResponseFormat):
         return out
 
     def reason(self, reason: str) -> str:
-        return "tool_calls" if self.called and reason == "stop" else reason
+        return FinishReason.TOOL_CALLS if self.called and reason == FinishReason.STOP else reason
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         raw = self.names.bytes(token_id)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from backend_lib.contract.finish import FinishReason
 from .errors import APIError
 from .formats import SSE_DONE, ResponseFormat, sse, usage
 from .gateway import Delta, TritonGateway
@@ -19,7 +20,8 @@ from .params import Generation
 
 # Triton finish reasons -> OpenAI's; a request ended early (cancelled, or aborted: by a client's abort
 # request or a model unload) reads as vLLM's "abort"
-FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "abort": "abort"}
+FINISH_REASONS = {FinishReason.STOP: FinishReason.STOP, FinishReason.LENGTH: FinishReason.LENGTH,
+                  FinishReason.CANCELLED: FinishReason.ABORT, FinishReason.ABORT: FinishReason.ABORT}
 
 
 class ClientGone(Exception):
@@ -46,7 +48,7 @@ class Tally:
 
     @property
     def reason(self) -> str:
-        return FINISH_REASONS.get(self.finish_reason or "stop", self.finish_reason)
+        return FINISH_REASONS.get(self.finish_reason or FinishReason.STOP, self.finish_reason)
 
     @property
     def usage(self) -> dict:

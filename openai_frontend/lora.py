@@ -11,8 +11,8 @@ not at the first real request.
 """
 from __future__ import annotations
 
-from backend_lib.lora.registry import check_name
-from backend_lib.sampling.errors import RequestError
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.fields import check_lora_name
 from client.triton_inputs import build_inputs
 from .errors import APIError, bad_request
 from .protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -23,7 +23,7 @@ def parse_lora_modules_arg(values: list[str] | None) -> dict[str, tuple[str, str
     out: dict[str, tuple[str, str | None]] = {}
     for value in values or []:
         if value.strip().startswith("{"):
-            from backend_lib.json_input import loads
+            from backend_lib.contract.json_input import loads
 
             entry = loads(value, "--lora-modules")
             if not isinstance(entry, dict) or set(entry) - {"name", "path", "base_model_name"} or not isinstance(
@@ -38,7 +38,7 @@ def parse_lora_modules_arg(values: list[str] | None) -> dict[str, tuple[str, str
                 raise ValueError(f"--lora-modules: {value!r} is not name=path")
             parent = None
         try:
-            check_name(name, "--lora-modules")
+            check_lora_name(name, "--lora-modules")
         except RequestError as exc:
             raise ValueError(str(exc)) from None
         if name in out:

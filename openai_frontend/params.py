@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backend_lib.sampling.params import RequestError
-from backend_lib.sampling.structured import GUIDED_ALIASES, StructuredSpec
+from backend_lib.contract.choices import choice_seed
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.structured import GUIDED_ALIASES, StructuredSpec
 from client.triton_inputs import build_inputs
 from .errors import bad_request
 from .protocol import (ChatCompletionRequest, ChatMessage, ChatTemplateKwargs, CompletionRequest, ResponseFormat,
@@ -42,8 +43,8 @@ class Generation:
 
     def triton_inputs(self, input_ids: list[int] | None = None, prompt=None, choice: int = 0) -> list:
         """Input tensors of the streaming LLM request (chat passes the tokenizer model's ids; a completion
-        with several prompts passes each in `prompt`). Choice j > 0 of a seeded request gets seed + j (as
-        vLLM derives its n > 1 children's seeds), so a seeded request is reproducible."""
+        with several prompts passes each in `prompt`). Choice j > 0 of a seeded request gets its own seed
+        (backend_lib.contract.choices.choice_seed: seed + j), so a seeded request is reproducible."""
         if prompt is None:
             prompt = self.prompt if self.prompt is not None else self.prompt_ids
         ids = input_ids if input_ids is not None else (prompt if isinstance(prompt, list) else None)
@@ -55,7 +56,7 @@ class Generation:
             sampling["prompt_logprobs"] = max(wanted)
         fields = dict(self.fields)
         if choice and fields.get("seed") is not None:
-            fields["seed"] = (fields["seed"] + choice) % 2**64
+            fields["seed"] = choice_seed(fields["seed"], choice)
         return build_inputs(None if ids is not None else prompt, ids, stream=True,
                             sampling_parameters=sampling or None, stop_words=self.stop,
                             return_finish_reason=True, return_num_input_tokens=True, return_abort_token=True,

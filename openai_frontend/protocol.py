@@ -1,11 +1,11 @@
 """The front's request bodies as pydantic models (FastAPI's convention, as vLLM's entrypoints/openai/protocol.py):
 one model per endpoint body, whose fields, types, ranges and descriptions `/openapi.json` and `/docs` list.
 
-A body is read as strict JSON (`parse_json_body`: backend_lib.json_input's depth limit, duplicate keys, NaN,
-huge numbers, surrogates), then validated by its model (`validated`), strictly: no coercion (`"stream": 7`,
+A body is read as strict JSON (`parse_json_body`: backend_lib.contract.json_input's depth limit, duplicate keys,
+NaN, huge numbers, surrogates), then validated by its model (`validated`), strictly: no coercion (`"stream": 7`,
 `"n": true`, `"temperature": "0.5"` are refused; an integer field takes a float only when it is whole, as the
 engine does), and a field outside the model is refused (extra="forbid"): nothing is silently ignored. The
-numeric ranges are the engine's table (backend_lib.sampling.params.RANGES), so that no value can wrap when cast
+numeric ranges are the engine's table (backend_lib.contract.fields.RANGES), so that no value can wrap when cast
 to its wire type. Checks across fields are the models' validators; they raise `FieldError`, which names its
 field. Checks that need the model (its max_tokens limit, the prompt's length, the vocabulary) stay with the
 LLM model, whose errors name the field too.
@@ -23,17 +23,16 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
                       StrictFloat, StrictInt, Tag, ValidationError, WithJsonSchema, model_validator)
 from pydantic.json_schema import models_json_schema
 
-from backend_lib.json_input import loads
-from backend_lib.lora.registry import check_name
-from backend_lib.sampling.errors import RequestError
-from backend_lib.sampling.params import (INT32_MAX, LOGIT_BIAS_RANGE, NEUTRAL_KEYS, RANGES, SamplingLimits,
-                                        check_logit_bias)
-from backend_lib.sampling.structured import CONSTRAINT_KEYS, GUIDED_ALIASES, JSON_OPTIONS, NEUTRAL_OPTIONS
+from backend_lib.contract.json_input import loads
+from backend_lib.contract.choices import MAX_N
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.fields import (INT32_MAX, LOGIT_BIAS_RANGE, NEUTRAL_KEYS, RANGES, SamplingLimits,
+                                         check_logit_bias, check_lora_name)
+from backend_lib.contract.structured import CONSTRAINT_KEYS, GUIDED_ALIASES, JSON_OPTIONS, NEUTRAL_OPTIONS
 from .errors import APIError, bad_request
 
 LIMITS = SamplingLimits()                 # the LLM models' default limits
 MAX_LOGPROBS = LIMITS.max_logprobs        # checked here to name top_logprobs / prompt_logprobs
-MAX_N = 16                                # choices per prompt (n)
 MAX_CHOICES = 256                         # prompts x n in one request
 MAX_TOOLS = 128
 MAX_DETOKENIZE = 1 << 20                  # token ids in one /detokenize
@@ -191,7 +190,7 @@ def validated(model: type[M], body) -> M:
 
 
 def parse_json_body(raw: bytes):
-    """The request body as strict JSON (backend_lib.json_input: depth, number range, duplicate keys,
+    """The request body as strict JSON (backend_lib.contract.json_input: depth, number range, duplicate keys,
     surrogates, NaN), or a 400 naming the field."""
     try:
         return loads(raw, "")
@@ -285,7 +284,7 @@ def refused(why: str):
 
 
 def _lora_name(value: str) -> str:
-    return check_name(value)
+    return check_lora_name(value)
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]

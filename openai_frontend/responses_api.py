@@ -20,6 +20,7 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
+from backend_lib.contract.finish import FinishReason
 from .errors import APIError
 from .gateway import Delta, TritonGateway
 from .generation import SSEResponse, Tally, until_disconnect
@@ -167,8 +168,8 @@ class ResponseRun:
     def finish(self, tally: Tally) -> list[dict]:
         r, c = self._reasoning.finish() if self._reasoning is not None else ("", "")
         events = (self._think(r) if r else []) + self._content(c, final=True)
-        cut = tally.reason == "length"
-        aborted = tally.reason == "abort"
+        cut = tally.reason == FinishReason.LENGTH
+        aborted = tally.reason == FinishReason.ABORT
         events += self._end_thinking() + self._end_message("incomplete" if cut else "completed")
         self.response["usage"] = {
             "input_tokens": tally.prompt_tokens,

@@ -3,7 +3,7 @@ models): rendered by Qwen3's chat template (the tokenizer model), and, for `requ
 enforced with a grammar so that the output is a valid call whatever the model would have chosen.
 
 The front asks for the grammar by what it must allow (structured_outputs `tool_calls`: the functions and
-whether several calls may follow each other); the engine builds it (backend_lib.sampling.structured) from
+whether several calls may follow each other); the engine builds it (backend_lib.contract.structured) from
 its own vocabulary: `<tool_call>` and `</tool_call>` are single tokens where the vocabulary has them (Qwen3:
 added tokens), their text otherwise, around a JSON body that must be one of the allowed functions with
 arguments matching its `parameters` schema, written as Qwen3 writes it (`{"name": ..., "arguments":

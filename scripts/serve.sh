@@ -26,6 +26,16 @@ build_demo() {  # $1 = format, $2 = env var that would point elsewhere
 }
 build_demo a8w8 QWEN3_A8W8_CHECKPOINT
 build_demo bf16 QWEN3_TQ_CHECKPOINT
+# qwen3_embed: a Qwen3-Embedding-shaped demo (sentence-transformers files); qwen3_rerank reads the bf16 one
+if [ -z "${QWEN3_EMBED_CHECKPOINT:-}" ]; then
+    dir="demo_checkpoints/qwen3-embedding-${SIZE}-bf16"
+    if [ ! -f "$dir/config.json" ]; then
+        echo "[serve] building the $SIZE embedding demo checkpoint in $dir"
+        python -m backend_lib.tools.make_demo_checkpoint "$dir" --size "$SIZE" --task embed --overwrite
+    fi
+    export QWEN3_EMBED_CHECKPOINT="$PWD/$dir"
+fi
+export QWEN3_RERANK_CHECKPOINT="${QWEN3_RERANK_CHECKPOINT:-$QWEN3_TQ_CHECKPOINT}"
 export QWEN3_TOKENIZER_CHECKPOINT="${QWEN3_TOKENIZER_CHECKPOINT:-$QWEN3_TQ_CHECKPOINT}"
 HTTP_PORT="${HTTP_PORT:-8000}"; GRPC_PORT="${GRPC_PORT:-8001}"; METRICS_PORT="${METRICS_PORT:-8002}"
 BIND_ADDRESS="${BIND_ADDRESS:-127.0.0.1}"

@@ -49,6 +49,17 @@ def a8w8_ckpt(ckpts) -> Path:
 
 
 @pytest.fixture(scope="session")
+def embed_ckpt(ckpts) -> Path:
+    """A tiny Qwen3-Embedding checkpoint (bare Qwen3Model tensors and the sentence-transformers files)."""
+    return ckpts.get("tiny-embed", "bf16", task="embed")
+
+
+@pytest.fixture(scope="session")
+def embed_a8w8_ckpt(ckpts) -> Path:
+    return ckpts.get("tiny-embed-a8w8", "a8w8", task="embed")
+
+
+@pytest.fixture(scope="session")
 def bf16_engine(bf16_ckpt):
     return make_engine(bf16_ckpt)
 
@@ -78,3 +89,13 @@ def triton(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
                           env={"HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1"}).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def moe_bf16_ckpt(ckpts) -> Path:
+    return ckpts.get("tiny-moe-bf16", "bf16", "tiny-moe")
+
+
+@pytest.fixture(scope="session")
+def moe_a8w8_ckpt(ckpts) -> Path:
+    return ckpts.get("tiny-moe-a8w8", "a8w8", "tiny-moe")

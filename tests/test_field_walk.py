@@ -14,7 +14,9 @@ import json
 import numpy as np
 import pytest
 
-from backend_lib.sampling.params import NEUTRAL_KEYS, RequestError, SamplingLimits, SamplingParams
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.fields import NEUTRAL_KEYS, SamplingLimits
+from backend_lib.sampling.params import SamplingParams
 from backend_lib.serving import fields
 from backend_lib.serving.request import parse_request
 from backend_lib.serving.schema import LLM_INPUT

@@ -16,8 +16,7 @@ from dockerfile_parse import DockerfileParser
 from backend_lib.config import EngineConfig
 from backend_lib.device import bind_device
 from backend_lib.serving.triton_config import engine_config_from_args
-from helpers import ROOT
-from test_deploy import hadolint
+from helpers import ROOT, hadolint
 
 GPU_DOCKERFILE = ROOT / "deploy" / "Dockerfile.gpu"
 LLM_MODELS = ("qwen3_a8w8", "qwen3_tq")

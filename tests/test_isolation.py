@@ -12,10 +12,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend_lib.sampling import RequestError, SampleError, Sampler, SamplingLimits, SamplingParams
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.fields import SamplingLimits
+from backend_lib.sampling import SampleError, Sampler, SamplingParams
 from backend_lib.serving.triton_tokenizer import tokenize_request
-from sampling_helpers import EXTREMES
-from helpers import CONVERSATIONS
+from helpers import CONVERSATIONS, EXTREMES
 
 FUZZ = settings(max_examples=int(os.environ.get("QWEN3_FUZZ_EXAMPLES", "25")), deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

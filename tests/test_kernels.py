@@ -6,7 +6,7 @@ import torch
 
 from backend_lib.kernels import REFERENCE, get_kernels
 from backend_lib.kernels import reference as ref
-from backend_lib.kv_cache.layout import key_block_width
+from kernel_helpers import paged_setup
 
 CPU = get_kernels("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -64,33 +64,12 @@ def test_rms_norm_and_fused_add(dtype):
     torch.testing.assert_close(out, rout, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
-def _paged_setup(dtype, seq_lens, q_lens, page_size=16, kvh=2, h=8, d=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    n_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    kw = key_block_width(page_size)
-    k_cache = torch.randn(n_pages, kvh, page_size // kw, d, kw, generator=g).to(dtype)   # blocked K
-    v_cache = torch.randn(n_pages, kvh, page_size, d, generator=g).to(dtype)
-    perm = torch.randperm(n_pages, generator=g).tolist()  # pages scattered, not contiguous
-    tables, qsl = [], [0]
-    for n, q in zip(seq_lens, q_lens):
-        k = -(-n // page_size)
-        tables.append(perm[:k])
-        perm = perm[k:]
-        qsl.append(qsl[-1] + q)
-    width = max(len(t) for t in tables)
-    bt = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
-    q = torch.randn(qsl[-1], h, d, generator=g).to(dtype)
-    return q, k_cache, v_cache, bt, torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
-
-
 @pytest.mark.parametrize("page_size", [16, 32])   # key blocks of 16 and of 32
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_prefill_and_decode_across_pages_with_gqa(dtype, page_size):
     # sequence 0: decode at 50 tokens; 1: a prefill chunk of 20 on top of 13 cached; 2: whole prompt of 40;
     # 3: a long prompt in one chunk (row blocks of several query positions)
-    args = _paged_setup(dtype, seq_lens=[50, 33, 40, 100], q_lens=[1, 20, 40, 100], page_size=page_size)
+    args = paged_setup(dtype, seq_lens=[50, 33, 40, 100], q_lens=[1, 20, 40, 100], page_size=page_size)
     out = CPU.paged_attention(*args, 0.125)
     exp = ref.paged_attention(*args, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -99,7 +78,7 @@ def test_paged_attention_prefill_and_decode_across_pages_with_gqa(dtype, page_si
 
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_paged_attention_row_is_identical_in_chunk_prefill_and_decode(page_size):
-    q, kc, vc, bt, _, _ = _paged_setup(torch.float32, seq_lens=[45], q_lens=[45], page_size=page_size)
+    q, kc, vc, bt, _, _ = paged_setup(torch.float32, seq_lens=[45], q_lens=[45], page_size=page_size)
     whole = CPU.paged_attention(q, kc, vc, bt, torch.tensor([0, 45], dtype=torch.int32),
                                 torch.tensor([45], dtype=torch.int32), 0.1)
     # the same rows computed as a chunk (rows 30..44) and as single decode steps
@@ -117,7 +96,7 @@ def test_paged_attention_gqa_groups_match_reference_and_rows_are_invariant(group
     """Every row-tile shape of the score and value kernels (1..16 rows per block, head_dim 64 and 128):
     against the reference, and each position alone (a decode step) equals it inside the whole prompt."""
     kvh = 2
-    q, kc, vc, bt, qsl, lens = _paged_setup(torch.bfloat16, seq_lens=[37], q_lens=[37], kvh=kvh, h=kvh * group,
+    q, kc, vc, bt, qsl, lens = paged_setup(torch.bfloat16, seq_lens=[37], q_lens=[37], kvh=kvh, h=kvh * group,
                                             d=d, page_size=32)
     whole = CPU.paged_attention(q, kc, vc, bt, qsl, lens, 0.1)
     torch.testing.assert_close(whole.float(), ref.paged_attention(q, kc, vc, bt, qsl, lens, 0.1).float(),

@@ -20,7 +20,7 @@ from backend_lib.kernels import get_kernels  # noqa: E402
 from backend_lib.kernels import reference as ref  # noqa: E402
 from backend_lib.kv_cache import tq_codec as codec  # noqa: E402
 from helpers import ROOT  # noqa: E402
-from test_kernels import _paged_setup  # noqa: E402
+from kernel_helpers import paged_setup, tq_setup  # noqa: E402
 
 TRI = get_kernels("cpu", "triton")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -95,14 +95,14 @@ def test_norms_rope_and_silu_match_the_reference(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_matches_the_reference_across_prefill_chunks_and_decode(dtype, page_size):
     # decode at 50, a chunk of 20 over 13 cached tokens, a whole prompt of 40, GQA 3:1 (a padded head group)
-    args = _paged_setup(dtype, seq_lens=[50, 33, 40], q_lens=[1, 20, 40], page_size=page_size, kvh=2, h=6, d=32)
+    args = paged_setup(dtype, seq_lens=[50, 33, 40], q_lens=[1, 20, 40], page_size=page_size, kvh=2, h=6, d=32)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(TRI.paged_attention(*args, 0.125).float(), ref.paged_attention(*args, 0.125).float(),
                                rtol=tol, atol=tol)
 
 
 def test_paged_attention_rows_are_identical_in_prompt_chunk_decode_and_any_batch():
-    q, kc, vc, bt, _, _ = _paged_setup(torch.bfloat16, seq_lens=[45, 45], q_lens=[45, 45], page_size=16, kvh=2, h=4,
+    q, kc, vc, bt, _, _ = paged_setup(torch.bfloat16, seq_lens=[45, 45], q_lens=[45, 45], page_size=16, kvh=2, h=4,
                                        d=32)
     one_seq = bt[:1]
     whole = TRI.paged_attention(q[:45], kc, vc, one_seq, torch.tensor([0, 45], dtype=torch.int32),
@@ -142,7 +142,7 @@ def test_flash_decoding_splits_give_decode_rows_the_prefill_bits_in_any_batch(mo
     monkeypatch.setattr(attention, "combine_kernel", combine)
     S = attention.SPLIT
     lens = [3 * S + 5, S + 1, 2 * S]
-    q, kc, vc, bt, _, _ = _paged_setup(torch.bfloat16, seq_lens=lens, q_lens=lens, page_size=16, kvh=2, h=4, d=32)
+    q, kc, vc, bt, _, _ = paged_setup(torch.bfloat16, seq_lens=lens, q_lens=lens, page_size=16, kvh=2, h=4, d=32)
     starts = [0, lens[0], lens[0] + lens[1]]
     def one_seq(i, rows, n_q, n):
         return TRI.paged_attention(rows, kc, vc, bt[i:i + 1], torch.tensor([0, n_q], dtype=torch.int32),
@@ -226,9 +226,7 @@ def test_tq_write_codes_equal_the_reference(d):
 
 
 def test_tq_attention_matches_the_reference_and_rows_are_invariant():
-    from test_turboquant import _tq_setup
-
-    cache, q, bt, qsl, lens = _tq_setup([50, 33, 40], [1, 20, 40], d=32, kvh=2, h=4, page_size=16)
+    cache, q, bt, qsl, lens = tq_setup([50, 33, 40], [1, 20, 40], d=32, kvh=2, h=4, page_size=16)
     args = (cache.k_codes[0], cache.k_scales[0], cache.v_codes[0], cache.v_scales[0])
     rot, cents = cache.rotations[0], cache.centroids
     got = TRI.tq_paged_attention(q, *args, bt, qsl, lens, rot, cents, 0.125)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from backend_lib.config import EngineConfig
 from backend_lib.lora import LoraError
-from backend_lib.sampling.params import RequestError
+from backend_lib.contract.errors import RequestError
 from helpers import make_engine, make_hub_cache, make_peft_adapter
 
 PROMPTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog. " * 4, "介绍一下北京故宫",

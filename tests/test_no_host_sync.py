@@ -111,7 +111,8 @@ class _DeviceToHost(TorchDispatchMode):
 
 
 def _sampled_seqs(vocab):
-    from backend_lib.sampling import SamplingLimits, SamplingParams
+    from backend_lib.contract.fields import SamplingLimits
+    from backend_lib.sampling import SamplingParams
 
     class Grammar:
         active = True

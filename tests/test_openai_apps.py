@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from backend_lib.sampling.structured import StructuredSpec
+from backend_lib.contract.structured import StructuredSpec
 from openai_frontend.errors import APIError
 from openai_frontend.formats import ChatFormat, TokenNames
 from openai_frontend.gateway import Delta
@@ -238,8 +238,13 @@ def test_openapi_lists_every_field_of_every_body_with_its_type_and_range():
     assert bodies == {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
                       "/v1/responses": "CreateResponseRequest", "/tokenize": "TokenizeRequest",
                       "/detokenize": "DetokenizeRequest", "/v1/load_lora_adapter": "LoadLoRAAdapterRequest",
-                      "/v1/unload_lora_adapter": "UnloadLoRAAdapterRequest"}
-    for model in BODIES:
+                      "/v1/unload_lora_adapter": "UnloadLoRAAdapterRequest",
+                      "/v1/embeddings": "EmbeddingRequest", "/v1/rerank": "RerankRequest",
+                      "/v2/rerank": "RerankRequest", "/rerank": "RerankRequest", "/v1/score": "ScoreRequest",
+                      "/score": "ScoreRequest"}
+    from openai_frontend.embeddings_protocol import EMBEDDING_BODIES
+
+    for model in BODIES + EMBEDDING_BODIES:
         schema = schemas[model.__name__]
         assert schema["additionalProperties"] is False
         names = {f.alias or n for n, f in model.model_fields.items()}

@@ -247,7 +247,7 @@ def _post(front, kind: str, fields: dict, stream: bool = False, **kw) -> request
                          headers={"Content-Type": "application/json"}, **kw)
 
 
-# each number past its wire type (int32, uint64) or its table range (backend_lib.sampling.params.RANGES)
+# each number past its wire type (int32, uint64) or its table range (backend_lib.contract.fields.RANGES)
 @pytest.mark.parametrize("kind, fields, param", [
     ("completion", {"prompt": [9707, 2**31]}, "prompt"),
     ("completion", {"prompt": [[9707, 2**32 + 9707]]}, "prompt"),   # would wrap to 9707 as int32

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend_lib.sampling import RequestError
+from backend_lib.contract.errors import RequestError
 from helpers import make_engine
 
 PROMPTS = ["Hello, world!", "The quick brown fox", "Once upon a time", "def fib(n):"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend_lib.sampling import RequestError
+from backend_lib.contract.errors import RequestError
 from helpers import make_engine
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 14  # several 16-token pages, several 64-token chunks

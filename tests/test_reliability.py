@@ -470,7 +470,7 @@ def test_sigterm_to_a_model_process_ends_its_streams_and_the_process(tmp_path_fa
     The Python backend's stub ignores SIGTERM; the model's watch thread sees it (wakeup fd), ends its streams
     with finish_reason 'abort' at once, and the process exits within a few seconds instead of staying
     behind with its memory."""
-    from backend_lib.serving.triton_llm import SIGTERM_GRACE_S
+    from backend_lib.serving.lifecycle import SIGTERM_GRACE_S
     from harness.triton_server import TritonServer, make_repository
 
     root = tmp_path_factory.mktemp("stub-sigterm")

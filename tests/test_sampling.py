@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.sampling import RequestError, SamplingLimits, SamplingParams, Sampler
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.fields import SamplingLimits
+from backend_lib.sampling import SamplingParams, Sampler
 
 
 class FakeSeq:

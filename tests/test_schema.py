@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from backend_lib.sampling.errors import RequestError
+from backend_lib.contract.errors import RequestError
 from backend_lib.serving import schema
 from backend_lib.serving.request import parse_request
 from backend_lib.serving.responses import abort_token_arrays, output_arrays

@@ -43,7 +43,8 @@ def run_serve(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, Path]
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         proc = subprocess.run(["bash", str(tree / "scripts" / "serve.sh")], stdout=out, stderr=err, timeout=60,
                               env={**os.environ, "FAKE_DIR": str(tmp_path), "QWEN3_A8W8_CHECKPOINT": "/ckpt/a8w8",
-                                   "QWEN3_TQ_CHECKPOINT": "/ckpt/bf16", **env})
+                                   "QWEN3_TQ_CHECKPOINT": "/ckpt/bf16",
+                                   "QWEN3_EMBED_CHECKPOINT": "/ckpt/embed", **env})
     proc.stdout, proc.stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     return proc, tmp_path
 

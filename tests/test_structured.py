@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from backend_lib.sampling.params import RequestError
-from backend_lib.sampling.structured import StructuredSpec, spec_from_sampling
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.structured import StructuredSpec, spec_from_sampling
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},

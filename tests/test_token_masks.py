@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.sampling import RequestError, Sampler, SamplingLimits, SamplingParams
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.fields import SamplingLimits
+from backend_lib.sampling import Sampler, SamplingParams
 from backend_lib.sampling.params import bad_words_token_ids
 
 REF_PROMPTS = [[9707, 11, 1879, 0], [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]]

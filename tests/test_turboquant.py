@@ -13,6 +13,7 @@ from backend_lib.kv_cache.dense import DenseKVCache
 from backend_lib.kv_cache.pool import allocate_kv_cache
 from backend_lib.kv_cache.turboquant import TurboQuantKVCache
 from helpers import make_engine
+from kernel_helpers import tq_setup
 
 CPU = get_kernels("cpu")
 
@@ -95,34 +96,12 @@ def test_storage_is_68_bytes_per_token_per_kv_head_and_holds_3_7x_the_tokens():
     assert used <= budget
 
 
-def _tq_setup(seq_lens, q_lens, d=64, kvh=2, h=8, page_size=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    n_pages = sum(-(-n // page_size) for n in seq_lens) + 2
-    cache = TurboQuantKVCache(1, n_pages, page_size, kvh, d, torch.float32, torch.device("cpu"), CPU, seed=3)
-    perm = torch.randperm(n_pages, generator=g).tolist()
-    tables, qsl = [], [0]
-    for n, q in zip(seq_lens, q_lens):
-        k = -(-n // page_size)
-        tables.append(perm[:k])
-        perm = perm[k:]
-        qsl.append(qsl[-1] + q)
-    bt = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
-        slots = torch.tensor([t[p // page_size] * page_size + p % page_size for p in range(seq_lens[i])])
-        kv = torch.randn(seq_lens[i], kvh, d, generator=g)
-        ref.tq_write(kv, kv.flip(-1) * 2, cache.k_codes[0], cache.k_scales[0], cache.v_codes[0], cache.v_scales[0],
-                     slots, cache.rotations[0], cache.centroids, cache.boundaries)
-    q = torch.randn(qsl[-1], h, d, generator=g)
-    return cache, q, bt, torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
-
-
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("kernels", [REFERENCE, CPU], ids=lambda k: k.name)
 def test_rotated_space_attention_equals_dequantize_then_attend(kernels, page_size):
     # decode at 50 (several pages), a prefill chunk of 20 over 13 cached tokens, whole prompts of 40 and 90;
     # GQA 4:1
-    cache, q, bt, qsl, lens = _tq_setup([50, 33, 40, 90], [1, 20, 40, 90], page_size=page_size)
+    cache, q, bt, qsl, lens = tq_setup([50, 33, 40, 90], [1, 20, 40, 90], page_size=page_size)
     rot, cents = cache.rotations[0], cache.centroids
     got = kernels.tq_paged_attention(q, cache.k_codes[0], cache.k_scales[0], cache.v_codes[0], cache.v_scales[0], bt,
                                      qsl, lens, rot, cents, 0.125)
@@ -139,7 +118,7 @@ def test_rotated_space_attention_equals_dequantize_then_attend(kernels, page_siz
 @pytest.mark.parametrize("page_size,d,h", [(16, 64, 8), (32, 64, 8), (32, 128, 4), (16, 128, 2), (32, 64, 6)])
 def test_tq_attention_row_is_batch_and_chunk_invariant(page_size, d, h):
     """GQA groups 1..4 (every row-tile shape of the score and value kernels), head_dim 64 and 128."""
-    cache, q, bt, _, _ = _tq_setup([45], [45], page_size=page_size, d=d, h=h)
+    cache, q, bt, _, _ = tq_setup([45], [45], page_size=page_size, d=d, h=h)
     args = (cache.k_codes[0], cache.k_scales[0], cache.v_codes[0], cache.v_scales[0])
     rot, cents = cache.rotations[0], cache.centroids
     whole = CPU.tq_paged_attention(q, *args, bt, torch.tensor([0, 45], dtype=torch.int32),

@@ -12,9 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend_lib.json_input import MAX_DEPTH, loads, nested_deeper_than
-from backend_lib.sampling.errors import RequestError
-from backend_lib.sampling.params import SamplingLimits, SamplingParams
+from backend_lib.contract.json_input import MAX_DEPTH, loads, nested_deeper_than
+from backend_lib.contract.errors import RequestError
+from backend_lib.contract.fields import SamplingLimits
+from backend_lib.sampling.params import SamplingParams
 from backend_lib.serving.request import parse_abort, parse_request
 from backend_lib.serving.triton_tokenizer import parse_messages, parse_tools
 from openai_frontend.app import parse_json_body

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Callable
 
+from ..contract.finish import FinishReason
 from ..sampling.params import SamplingParams
 from .llm_engine import LLMEngine
 from .messages import AbortAll, AbortRequest, AddRequest, Callback, EngineStats
@@ -39,7 +40,7 @@ class EngineLoop:
         self._num_adds = 0                    # AddRequests in the inbox
         self._callbacks: dict[str, Callback] = {}
         self._stopping = False
-        self._shutdown_reason = "cancelled"
+        self._shutdown_reason = FinishReason.CANCELLED
         self._ready = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -74,18 +75,18 @@ class EngineLoop:
             self._num_adds += 1
             self._cv.notify()
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+    def abort(self, request_id: str, reason: str = FinishReason.CANCELLED) -> None:
         with self._cv:
             self._inbox.append(AbortRequest(request_id, reason))
             self._cv.notify()
 
-    def abort_all(self, reason: str = "abort") -> None:
+    def abort_all(self, reason: str = FinishReason.ABORT) -> None:
         """Finishes every request in flight or queued (each gets its final output); keeps serving."""
         with self._cv:
             self._inbox.append(AbortAll(reason))
             self._cv.notify()
 
-    def shutdown(self, timeout: float = 30.0, reason: str = "cancelled") -> None:
+    def shutdown(self, timeout: float = 30.0, reason: str = FinishReason.CANCELLED) -> None:
         """Stops taking requests, finishes what is left with `reason` (each callback gets its final
         output), and joins the engine thread."""
         with self._cv:
@@ -118,7 +119,7 @@ class EngineLoop:
                 try:
                     self.engine.admit(item.request)
                 except Exception as exc:
-                    self._deliver(RequestOutput(rid, finished=True, finish_reason="error", error=str(exc)))
+                    self._deliver(RequestOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=str(exc)))
             elif isinstance(item, AbortAll):
                 for out in self.engine.abort_all(item.reason):
                     self._deliver(out)
@@ -156,7 +157,12 @@ class EngineLoop:
                     outputs = engine.step()
                 except Exception as exc:  # scheduler-level fault: fail everything in flight, keep serving
                     log.exception("engine step raised; failing all in-flight requests")
-                    outputs = engine.abort_all("error", f"engine fault: {exc}")
+                    outputs = getattr(exc, "outputs", []) + engine.abort_all(FinishReason.ERROR, f"engine fault: {exc}")
+                    if getattr(exc, "fatal", False):   # nothing can step again: the thread ends (the model dies)
+                        for out in outputs:
+                            self._deliver(out)
+                        self._stopping = True
+                        raise
                 for out in outputs:
                     self._deliver(out)
             engine.publish_stats()

@@ -24,7 +24,10 @@ from ..kernels import get_kernels
 from ..kv_cache import BlockManager
 from ..kv_cache.pool import pool_token_capacity
 from ..kv_cache.prefix import root_hash
-from ..sampling.params import RequestError, SamplingParams, bad_words_token_ids
+from ..contract.errors import RequestError
+from ..contract.fields import check_min_tokens
+from ..contract.finish import FinishReason
+from ..sampling.params import SamplingParams, bad_words_token_ids
 from ..sampling.sampler import SampleError
 from ..sampling.structured import GrammarCompiler
 from ..tokenizer import Tokenizer
@@ -125,9 +128,8 @@ class LLMEngine:
             raise RequestError(f"max_tokens: {params.max_tokens} exceeds the {room} tokens left in the context "
                                f"(max_model_len {self.max_model_len} minus the prompt's {len(prompt_ids)})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.cfg.default_max_tokens
-        if params.min_tokens > max_tokens:
-            raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}"
-                               f"{'' if params.max_tokens is not None else ', the default_max_tokens'})")
+        check_min_tokens(params.min_tokens, max_tokens,
+                         "" if params.max_tokens is not None else ", the default_max_tokens")
         lora = self.lora_adapter(params)
         if params.bad_words and not params.bad_words_ids:
             params.bad_words_ids = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
@@ -168,11 +170,11 @@ class LLMEngine:
         self.output.add(seq)
         self.publish_stats(prompt_tokens=len(seq.prompt_ids))
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+    def abort(self, request_id: str, reason: str = FinishReason.CANCELLED) -> RequestOutput | None:
         seq = self._seqs.get(request_id)
         return None if seq is None else self._finish(seq, reason)
 
-    def abort_all(self, reason: str = "cancelled", error: str | None = None) -> list[RequestOutput]:
+    def abort_all(self, reason: str = FinishReason.CANCELLED, error: str | None = None) -> list[RequestOutput]:
         return [self._finish(seq, reason, error) for seq in list(self._seqs.values())]
 
     def has_unfinished(self) -> bool:
@@ -194,7 +196,11 @@ class LLMEngine:
             self.scheduler.update(plan, None)
             self.publish_stats(num_failed_steps=1)
             log.exception("engine step failed; failing %d request(s)", len(plan.seqs))
-            return [self._finish(seq, "error", f"engine step failed: {exc}") for seq, _ in plan.seqs]
+            failed = [self._finish(seq, "error", f"engine step failed: {exc}") for seq, _ in plan.seqs]
+            if getattr(exc, "fatal", False):   # the engine cannot step again (a tensor-parallel rank is gone)
+                exc.outputs = failed
+                raise
+            return failed
         self.scheduler.update(plan, result)
         for seq, chunk in result.prompt_logprobs:
             try:

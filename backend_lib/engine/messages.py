@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..contract.finish import FinishReason
 from ..sampling.params import SamplingParams
 from ..sampling.structured import GrammarState
 from .outputs import RequestOutput
@@ -31,13 +32,13 @@ class AddRequest:
 @dataclass(frozen=True)
 class AbortRequest:
     request_id: str
-    reason: str = "cancelled"
+    reason: str = FinishReason.CANCELLED
 
 
 @dataclass(frozen=True)
 class AbortAll:
     """Finish every request in flight (the server is going away); the engine keeps running."""
-    reason: str = "abort"
+    reason: str = FinishReason.ABORT
 
 
 @dataclass(frozen=True)

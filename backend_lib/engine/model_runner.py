@@ -29,17 +29,24 @@ class ModelRunner:
     def __init__(self, cfg, model_config, scheme, device: torch.device, dtype: torch.dtype, kernels,
                  max_model_len: int, fault_every: int | None = None, memory=None):
         self.device, self.page_size = device, cfg.page_size
-        self.model = Qwen3ForCausalLM.from_checkpoint(WeightStore(cfg.checkpoint), model_config, scheme, dtype,
-                                                      device, kernels, max_model_len, cfg.lm_head_quant)
-        # CUDA: the widest prefill and decode run first, then the pool is sized from what is free (warmup.py)
-        memory = memory if memory is not None else (CudaMemory(device) if device.type == "cuda" else None)
-        nbytes = None
-        if memory is not None:
-            activation = warm_up(self, cfg, model_config, dtype, kernels, max_model_len, memory)
-            nbytes = kv_budget_after_warmup(cfg.kv_cache_memory, memory.free(), activation)
-        self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels, cfg.kv_cache_memory,
-                                          cfg.page_size, max_model_len, cfg.max_num_seqs, nbytes=nbytes,
-                                          seed=cfg.tq_seed)
+        self.tp = None    # tensor parallel: the workers' supervisor (backend_lib/parallel/runtime.py)
+        if cfg.tensor_parallel_size > 1:   # the sharded model and KV cache, whose steps reach every rank
+            from ..parallel import runtime
+
+            self.model, self.kv_cache, self.tp = runtime.start(cfg, model_config, scheme, device, dtype, kernels,
+                                                               max_model_len)
+        else:
+            self.model = Qwen3ForCausalLM.from_checkpoint(WeightStore(cfg.checkpoint), model_config, scheme, dtype,
+                                                          device, kernels, max_model_len, cfg.lm_head_quant)
+            # CUDA: the widest prefill and decode run first, then the pool is sized from what is free (warmup.py)
+            memory = memory if memory is not None else (CudaMemory(device) if device.type == "cuda" else None)
+            nbytes = None
+            if memory is not None:
+                activation = warm_up(self, cfg, model_config, dtype, kernels, max_model_len, memory)
+                nbytes = kv_budget_after_warmup(cfg.kv_cache_memory, memory.free(), activation)
+            self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels,
+                                              cfg.kv_cache_memory, cfg.page_size, max_model_len, cfg.max_num_seqs,
+                                              nbytes=nbytes, seed=cfg.tq_seed)
         # one pipeline wherever the logits are (off the CPU without a host sync: ids and logprobs travel back)
         self.sampler = Sampler()
         self.lora_ctx = None

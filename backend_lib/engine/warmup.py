@@ -16,8 +16,9 @@ import torch
 from ..kv_cache.base import cache_class
 from ..kv_cache.metadata import AttentionMetadata
 from ..kv_cache.pool import parse_memory_budget
+from ..contract.fields import SamplingLimits
+from ..sampling.params import SamplingParams
 from ..sampling.sampler import Sampler
-from ..sampling.params import SamplingLimits, SamplingParams
 
 log = logging.getLogger(__name__)
 

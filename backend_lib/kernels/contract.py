@@ -50,3 +50,15 @@ class Kernels:
     # (num_pages, page_size, KVH, D) -> (K shape, V shape) of a layer's dense cache: the set owns its layout
     # (write_kv and paged_attention read it); the blocked layout above unless a set needs another
     kv_shapes: Callable = blocked_kv_shapes
+    # (x [T, K], topk_ids int64 [T, k], topk_weights [T, k] in x.dtype, experts: per expert index its
+    #  (gate_up, down) linear modules of this set) -> [T, K] in x.dtype: the routed experts' SwiGLU MLPs, each
+    # pair's output times its weight (in x.dtype) added into its token's row in ascending expert index, in
+    # x.dtype; None: grouped per expert over this set's own linear slots (kernels/moe.py)
+    moe: Callable | None = None
+
+    def moe_experts(self, x, topk_ids, topk_weights, experts):
+        if self.moe is not None:
+            return self.moe(x, topk_ids, topk_weights, experts)
+        from .moe import grouped_moe
+
+        return grouped_moe(self, x, topk_ids, topk_weights, experts)

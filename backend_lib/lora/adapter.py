@@ -6,6 +6,9 @@ scaling lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). What PEFT can exp
 compute (DoRA, LoRA biases, modules_to_save, per-module rank or alpha patterns, fan_in_fan_out, ...) is
 refused with an error naming the file and field; so is an unknown config field with a value that is set, a
 tensor the engine does not use, and a shape that does not match the base. Nothing is ignored silently.
+On a Qwen3-MoE base the sparse layers' MLP is routed experts: adapters of the attention projections (and of
+the dense MLPs of mlp_only_layers) apply; an adapter of an expert or of a sparse layer's MLP is refused naming
+the tensor.
 
 At load each layer's projections are laid out for the base's fused linears (qkv, gate_up): the A matrices of
 the projections that read the same input stacked, the B matrices placed block-diagonally, both fp32 (bf16
@@ -32,6 +35,7 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("g
          "down": ("down_proj",)}
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_EXPERT = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.(experts|gate)\b")
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?"
                      r"\.weight$")
 
@@ -58,6 +62,7 @@ class BaseShape:
     num_layers: int
     in_features: dict[str, int]
     out_features: dict[str, int]
+    sparse_layers: frozenset[int] = frozenset()   # Qwen3-MoE: layers whose MLP is routed experts
 
     @classmethod
     def of(cls, mc) -> "BaseShape":
@@ -66,7 +71,8 @@ class BaseShape:
                "down_proj": inter}
         outs = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": hid, "gate_proj": inter, "up_proj": inter,
                 "down_proj": hid}
-        return cls(mc.num_layers, ins, outs)
+        sparse = frozenset(mc.moe.sparse_layers) if getattr(mc, "moe", None) is not None else frozenset()
+        return cls(mc.num_layers, ins, outs, sparse)
 
 
 @dataclass
@@ -154,8 +160,8 @@ def _read_config(folder: Path) -> tuple[dict, bytes]:
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise LoraError(f"{path}: not found (a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE})")
-    from ..json_input import loads
-    from ..sampling.errors import RequestError
+    from ..contract.json_input import loads
+    from ..contract.errors import RequestError
 
     raw = path.read_bytes()
     try:
@@ -191,6 +197,10 @@ def load_adapter(name: str, folder: str | Path, base: BaseShape, max_rank: int) 
     except Exception as exc:
         raise LoraError(f"{wwhere}: not a readable safetensors file ({exc})") from None
     for key in keys:
+        if _EXPERT.match(key):
+            raise LoraError(f"{wwhere}: tensor {key!r} adapts a mixture-of-experts module (an expert or the "
+                            "router): expert adapters are not supported (LoRA on a MoE base applies to the "
+                            "attention projections and dense MLPs)")
         m = _TENSOR.match(key)
         if m is None:
             raise LoraError(f"{wwhere}: tensor {key!r} is not a LoRA A/B matrix of a Qwen3 projection "
@@ -201,6 +211,9 @@ def load_adapter(name: str, folder: str | Path, base: BaseShape, max_rank: int) 
                             f"(LoRA targets: {', '.join(PROJECTIONS)})")
         if layer >= base.num_layers:
             raise LoraError(f"{wwhere}: tensor {key!r} adapts layer {layer}; the base has {base.num_layers} layers")
+        if parent == "mlp" and layer in base.sparse_layers:
+            raise LoraError(f"{wwhere}: tensor {key!r} adapts mlp.{proj} of layer {layer}, a mixture-of-experts "
+                            "layer of the base (no dense MLP there; expert adapters are not supported)")
         if targets is not None and proj not in targets:
             raise LoraError(f"{wwhere}: tensor {key!r} adapts {proj}, which target_modules does not list")
         if layers is not None and layer not in layers:

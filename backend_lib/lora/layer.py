@@ -79,10 +79,13 @@ def apply_delta(kernels, x: torch.Tensor, y: torch.Tensor, d, scaling: float) ->
 
 
 def attach(model, ctx: LoraContext, kernels) -> None:
-    """Wraps the four fused linears of every decoder layer (the model's code is not changed)."""
+    """Wraps the four fused linears of every decoder layer (the model's code is not changed); a Qwen3-MoE
+    sparse layer has no dense MLP: its experts are not wrapped (adapter.py refuses expert adapters)."""
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = LoraLinear(attn.qkv_proj, i, "qkv", ctx, kernels)
         attn.o_proj = LoraLinear(attn.o_proj, i, "o", ctx, kernels)
+        if not hasattr(mlp, "gate_up_proj"):
+            continue
         mlp.gate_up_proj = LoraLinear(mlp.gate_up_proj, i, "gate_up", ctx, kernels)
         mlp.down_proj = LoraLinear(mlp.down_proj, i, "down", ctx, kernels)

@@ -14,20 +14,13 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from ..sampling.errors import RequestError
+from ..contract.errors import RequestError
+from ..contract.fields import check_lora_name
 from .adapter import BaseShape, LoraAdapter, LoraError, load_adapter
 
 log = logging.getLogger(__name__)
 
 MULTI_LORA_FILE = "multi_lora.json"
-MAX_NAME_LEN = 256
-
-
-def check_name(name, where: str = "lora_name") -> str:
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN or name != name.strip():
-        raise RequestError(f"{where}: must be a non-empty string of at most {MAX_NAME_LEN} characters without "
-                           f"surrounding spaces, got {name!r}")
-    return name
 
 
 def parse_lora_modules(value, where: str = "lora_modules") -> dict[str, str]:
@@ -36,7 +29,7 @@ def parse_lora_modules(value, where: str = "lora_modules") -> dict[str, str]:
     if value is None or value == "":
         return {}
     if isinstance(value, str) and value.strip()[:1] in ("{", "["):
-        from ..json_input import loads
+        from ..contract.json_input import loads
 
         try:
             value = loads(value, where)
@@ -63,7 +56,7 @@ def parse_lora_modules(value, where: str = "lora_modules") -> dict[str, str]:
     out = {}
     for name, path in value.items():
         try:
-            check_name(name, f"{where}: adapter name")
+            check_lora_name(name, f"{where}: adapter name")
         except RequestError as exc:
             raise ValueError(str(exc)) from None
         if name in out:
@@ -128,7 +121,7 @@ class LoraRegistry:
 
     def get(self, name, path=None) -> LoraAdapter:
         """The adapter a request names (loaded if it is not resident); RequestError naming the field."""
-        check_name(name)
+        check_lora_name(name)
         with self._lock:
             known_before = name in self._known
             if path is not None:
@@ -164,7 +157,7 @@ class LoraRegistry:
 
     def register(self, name, path) -> LoraAdapter:
         """Run-time load (validated at once): the name then serves requests like a configured one."""
-        check_name(name)
+        check_lora_name(name)
         with self._lock:
             known_before = name in self._known
             self._register_locked(name, path, "lora_path")
@@ -176,7 +169,7 @@ class LoraRegistry:
                 raise RequestError(f"lora_path: {exc}") from None
 
     def unregister(self, name) -> None:
-        check_name(name)
+        check_lora_name(name)
         with self._lock:
             if name not in self._known:
                 raise RequestError(f"lora_name: unknown LoRA adapter {name!r}")

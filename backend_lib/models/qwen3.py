@@ -1,4 +1,5 @@
-"""Qwen3 dense decoder (pre-norm, GQA, q/k-norm, rotate-half RoPE, SwiGLU) over backend_lib.kernels.
+"""Qwen3 decoder (pre-norm, GQA, q/k-norm, rotate-half RoPE, SwiGLU) over backend_lib.kernels: the dense model
+and Qwen3-MoE, whose sparse layers replace the MLP by routed experts (layers/moe.py).
 
 Tokens of all sequences in a step are flattened into one [T, hidden] batch; the paged KV cache and
 AttentionMetadata say which sequence each token belongs to.
@@ -16,13 +17,14 @@ from ..kernels import Kernels
 from ..layers.attention import Qwen3Attention
 from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear, load_linear, quantize_linear
 from ..layers.mlp import Qwen3MLP
+from ..layers.moe import Qwen3SparseMoe, load_sparse_moe
 from .qwen3_layer_loop import LayerLoop
 
 log = logging.getLogger(__name__)
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, attn: Qwen3Attention, mlp: Qwen3MLP, input_norm, post_norm, eps: float, kernels: Kernels):
+    def __init__(self, attn: Qwen3Attention, mlp: Qwen3MLP | Qwen3SparseMoe, input_norm, post_norm, eps: float, kernels: Kernels):
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
         self.input_layernorm = nn.Parameter(input_norm, requires_grad=False)
@@ -127,10 +129,14 @@ class Qwen3ForCausalLM(nn.Module):
             o = load_linear(store, [f"{p}.self_attn.o_proj"], [hid], h * d, scheme, dtype, device, kernels)
             attn = Qwen3Attention(i, qkv, o, dense(f"{p}.self_attn.q_norm.weight", (d,)),
                                   dense(f"{p}.self_attn.k_norm.weight", (d,)), h, kvh, d, cfg.rms_norm_eps, kernels)
-            gate_up = load_linear(store, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [inter, inter], hid,
-                                  scheme, dtype, device, kernels)
-            down = load_linear(store, [f"{p}.mlp.down_proj"], [hid], inter, scheme, dtype, device, kernels)
-            layers.append(Qwen3DecoderLayer(attn, Qwen3MLP(gate_up, down, kernels),
+            if cfg.is_moe_layer(i):
+                mlp = load_sparse_moe(store, f"{p}.mlp", hid, cfg.moe, scheme, dtype, device, kernels)
+            else:
+                gate_up = load_linear(store, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [inter, inter], hid,
+                                      scheme, dtype, device, kernels)
+                down = load_linear(store, [f"{p}.mlp.down_proj"], [hid], inter, scheme, dtype, device, kernels)
+                mlp = Qwen3MLP(gate_up, down, kernels)
+            layers.append(Qwen3DecoderLayer(attn, mlp,
                                             dense(f"{p}.input_layernorm.weight", (hid,)),
                                             dense(f"{p}.post_attention_layernorm.weight", (hid,)),
                                             cfg.rms_norm_eps, kernels))

@@ -4,7 +4,8 @@ The compiled op runs the same kernel functions as the Python layers, in the same
 are bit-identical to Qwen3ForCausalLM's Python loop (the reference of behaviour, tests/test_layer_loop.py);
 it only removes the interpreter between ~200 kernel calls a step. It applies where that path would compute
 nothing else: the `cpu` kernel set, every projection a plain A8W8Linear, a dense KV cache; anything else
-(float or int4 weights, TurboQuant, linears wrapped with per-row features) takes the Python loop.
+(float or int4 weights, TurboQuant, linears wrapped with per-row features, Qwen3-MoE's sparse layers) takes the
+Python loop.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from ..kv_cache.dense import DenseKVCache
 from ..layers.linear import A8W8Linear
+from ..layers.mlp import Qwen3MLP
 
 
 class LayerLoop:
@@ -32,8 +34,9 @@ class LayerLoop:
         if self.model.kernels.name != "cpu" or self.heads is None or type(kv_cache) is not DenseKVCache:
             return False
         if self.linears_ok is None:   # the projections are fixed at load
-            self.linears_ok = all(type(lin) is A8W8Linear and len(lin.prepared) == 3
-                                  for layer in self.model.layers for lin in self._linears(layer))
+            self.linears_ok = all(type(layer.mlp) is Qwen3MLP and all(
+                type(lin) is A8W8Linear and len(lin.prepared) == 3 for lin in self._linears(layer))
+                for layer in self.model.layers)
         return self.linears_ok
 
     def _layer_tensors(self) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-from .params import RequestError, SamplingLimits, SamplingParams
+from .params import SamplingParams
 from .sampler import Sample, SampleError, Sampler
 
-__all__ = ["RequestError", "Sample", "SampleError", "SamplingLimits", "SamplingParams", "Sampler"]
+__all__ = ["Sample", "SampleError", "SamplingParams", "Sampler"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import RequestError
+from ..contract.errors import RequestError
 
 # A grammar whose every allowed token the request's other rules forbid
 GRAMMAR_BLOCKED = ("structured_outputs: no token is allowed here (the grammar is complete but min_tokens, "

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..sampling.params import NEUTRAL_KEYS, RANGES, SamplingParams
-from ..sampling.structured import GUIDED_ALIASES, STRUCTURED_KEYS
+from ..contract.fields import NEUTRAL_KEYS, RANGES
+from ..contract.structured import GUIDED_ALIASES, STRUCTURED_KEYS
+from ..sampling.params import SamplingParams
 from .schema import LLM_INPUTS
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "fields.md"

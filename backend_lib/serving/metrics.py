@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..contract.finish import FinishReason
 from .log import get_logger
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -31,7 +32,8 @@ TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0]                                                     # vLLM's
 N_BUCKETS = [1, 2, 5, 10, 20]
-FINISH_REASONS = ("stop", "length", "abort", "cancelled", "error")
+FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT, FinishReason.CANCELLED,
+                  FinishReason.ERROR)
 FLUSH_PERIOD_S = 0.1
 
 

@@ -9,13 +9,17 @@ Pure Python over numpy arrays, so it is tested without a server.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from types import UnionType
+from typing import get_args, get_origin, get_type_hints
 
 import numpy as np
 
-from ..json_input import check_text, loads
-from ..sampling.params import RequestError, check_keys
-from ..sampling.structured import STRUCTURED_KEYS
+from ..contract.json_input import check_text, loads
+from ..contract.choices import MAX_N
+from ..contract.errors import RequestError
+from ..contract.structured import STRUCTURED_KEYS
+from ..sampling.params import SamplingParams, check_keys
 from .schema import FLAG_INPUTS, LLM_INPUT, LLM_INPUTS, SAMPLING_INPUTS
 
 # TensorRT-LLM tensor names -> SamplingParams fields
@@ -23,14 +27,26 @@ ALIASES = {"min_length": "min_tokens", "random_seed": "seed", "num_return_sequen
 # TensorRT-LLM's guided_decoding_guide_type -> vLLM's structured_outputs key (ebnf_grammar is xgrammar's EBNF,
 # not the grammar engine's Lark: refused, as structural_tag)
 GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex"}
-_FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
-                "min_p": float, "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
-                "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
-                "skip_special_tokens": bool, "cache_salt": str, "logit_bias": dict, "allowed_token_ids": list,
-                "bad_words": list, "prompt_logprobs": int, "priority": int, "lora_name": str, "lora_path": str}
+
+
+def _field_types() -> dict[str, type]:
+    """SamplingParams' fields by their type (None dropped, list[...] -> list): what a string is coerced to."""
+    hints = get_type_hints(SamplingParams)
+    out = {}
+    for f in fields(SamplingParams):
+        if not f.init:
+            continue
+        hint = hints[f.name]
+        members = get_args(hint) if isinstance(hint, UnionType) else (hint,)
+        kinds = [get_origin(t) or t for t in members if t is not type(None)]
+        if len(kinds) == 1 and kinds[0] in (int, float, bool, str, list, dict):
+            out[f.name] = kinds[0]
+    return out
+
+
+_FIELD_TYPES = _field_types()
 ABORT_INPUTS = tuple(f.name for f in LLM_INPUTS if f.role == "abort")
 MAX_SAMPLING_JSON_BYTES = 1 << 20
-MAX_N = 16
 
 
 def _take_n(data: dict, where: str) -> int | None:

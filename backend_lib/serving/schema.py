@@ -134,6 +134,34 @@ TOKENIZER_OUTPUTS: tuple[Field, ...] = (
     _f("input_ids", "TYPE_INT32", [-1], "output", "prompt token ids"),
 )
 
+# The embedding model (qwen3_embed, task embed; not decoupled, dynamically batched): one text or id list per
+# request, its vector out. It tokenizes itself: an embedding checkpoint's tokenizer appends its own end token and
+# its prompts are named by the checkpoint (config_sentence_transformers.json), not by qwen3_tokenizer's chat template.
+EMBED_INPUTS: tuple[Field, ...] = (
+    _f("text_input", "TYPE_STRING", [1], "prompt", "the text to embed"),
+    _f("input_ids", "TYPE_INT32", [-1], "prompt", "the text as token ids (instead of text_input), taken as they are"),
+    _f("prompt_name", "TYPE_STRING", [1], "control",
+       "a prompt of the checkpoint's config_sentence_transformers.json (Qwen3-Embedding: query, document) put "
+       "before text_input; default: its default_prompt_name, else none"),
+    _f("dimensions", "TYPE_INT32", [1], "control", "keep the first N dimensions, renormalized (matryoshka)"),
+)
+EMBED_OUTPUTS: tuple[Field, ...] = (
+    _f("embedding", "TYPE_FP32", [-1], "output", "the vector (L2-normalized when the checkpoint normalizes)"),
+    _f("num_input_tokens", "TYPE_UINT32", [1], "output", "tokens embedded"),
+)
+# The rerank model (qwen3_rerank, task rerank: a Qwen3-Reranker checkpoint): one (query, document) pair
+# per request, its relevance out (P(yes) under the model card's prompt, backend_lib/embedding/rerank_prompt.py).
+RERANK_INPUTS: tuple[Field, ...] = (
+    _f("query", "TYPE_STRING", [1], "prompt", "the query"),
+    _f("document", "TYPE_STRING", [1], "prompt", "the document to judge"),
+    _f("instruction", "TYPE_STRING", [1], "control",
+       "the task's instruction in the prompt (default: web search: retrieve relevant passages)"),
+)
+RERANK_OUTPUTS: tuple[Field, ...] = (
+    _f("score", "TYPE_FP32", [1], "output", "relevance in (0, 1): softmax over the [no, yes] logits, P(yes)"),
+    _f("num_input_tokens", "TYPE_UINT32", [1], "output", "tokens of the filled-in prompt"),
+)
+
 LLM_INPUT = {f.name: f for f in LLM_INPUTS}
 LLM_OUTPUT = {f.name: f for f in LLM_OUTPUTS}
 FLAG_INPUTS = tuple(f.name for f in LLM_INPUTS if f.role == "flag")

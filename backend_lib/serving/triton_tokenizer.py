@@ -14,8 +14,8 @@ import json
 import numpy as np
 
 from ..checkpoint import ModelConfig
-from ..json_input import loads
-from ..sampling.params import RequestError
+from ..contract.json_input import loads
+from ..contract.errors import RequestError
 from ..tokenizer import Tokenizer, TokenizerError
 from .request import scalar, text_value
 from .schema import TOKENIZER_INPUTS, TOKENIZER_OUTPUTS, declare

@@ -15,7 +15,7 @@ import json
 import math
 import re
 
-from .sampling.errors import RequestError
+from .errors import RequestError
 
 MAX_DEPTH = 64            # arrays and objects nested deeper than this are refused before parsing
 MAX_INT_DIGITS = 40       # integer literals longer than this fit no field's type (int64, uint64, fp32)

@@ -1,0 +1,88 @@
+"""The tensor-parallel process group: torch.distributed with the backend of the device (gloo on the CPU, NCCL on
+CUDA, HCCL on the NPU through torch_npu), set up from the standard env rendezvous (MASTER_ADDR, MASTER_PORT,
+RANK, WORLD_SIZE) or from explicit values, so ranks may live on other hosts. No home-made transport."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def backend_for(device: torch.device | str) -> str:
+    kind = torch.device(device).type
+    if kind not in BACKENDS:
+        raise ValueError(f"tensor_parallel_size: no torch.distributed backend for device {kind!r} "
+                         f"(known: {', '.join(BACKENDS)})")
+    if kind == "npu":
+        import torch_npu  # noqa: F401  (registers the hccl backend)
+    return BACKENDS[kind]
+
+
+@dataclass
+class TPGroup:
+    """rank / size of this process in its tensor-parallel group; size 1 is the unsharded model (no collectives)."""
+    rank: int = 0
+    size: int = 1
+    group: object = None
+
+    @classmethod
+    def init(cls, rank: int, size: int, master_addr: str, master_port: int, device="cpu",
+             timeout_s: float = 300.0) -> "TPGroup":
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside the group of {size}")
+        if size == 1:
+            return cls()
+        if not dist.is_initialized():
+            dist.init_process_group(backend_for(device), init_method=f"tcp://{master_addr}:{int(master_port)}",
+                                    rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(rank, size, dist.group.WORLD)
+
+    @classmethod
+    def from_env(cls, device="cpu", env=os.environ, timeout_s: float = 300.0) -> "TPGroup":
+        """The env rendezvous torchrun and Kubernetes LeaderWorkerSet set; a missing variable is named."""
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in env]
+        if missing:
+            raise ValueError(f"tensor parallel rendezvous: {', '.join(missing)} not set")
+        return cls.init(int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                        device, timeout_s)
+
+    def all_reduce_max_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
+    def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In place; exact for integer tensors (the A8W8 partial sums)."""
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor of the same shape, in rank order."""
+        if self.size == 1:
+            return [t]
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return parts
+
+    def sum_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
+        """The ranks' tensors added in rank order (0 + 1 + ...): the same bits on every rank and for every batch
+        composition, unlike a backend's all-reduce, whose order may depend on the message size."""
+        parts = self.all_gather(t)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    def cat(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' shards concatenated along dim, in rank order."""
+        return t if self.size == 1 else torch.cat(self.all_gather(t), dim=dim)
+
+    def destroy(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,124 @@
+"""A Qwen3 decoder sharded across a tensor-parallel group: each rank loads only its rows / columns of every
+projection (shard.py), its query heads and KV heads (so its KV cache holds only those heads: the pool grows with
+the ranks), and replicates the norms, the embedding and the head (vocab-parallel embedding and head are the next
+step). The layers are the ordinary ones (layers/attention.py, layers/mlp.py) over parallel linears (linear.py);
+the one-region decode loop is dense TP = 1 only, so a sharded model runs the per-layer path."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from ..checkpoint import CheckpointError, ModelConfig, QuantScheme, WeightStore
+from ..kernels import Kernels
+from ..layers.attention import Qwen3Attention
+from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear
+from ..layers.mlp import Qwen3MLP
+from ..models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
+from .group import TPGroup
+from .linear import RowParallelA8W8, RowParallelFloat
+from .shard import HeadShard, head_rows, shard_heads, split
+
+log = logging.getLogger(__name__)
+
+
+class _Reader:
+    """Reads a projection's weight (and A8W8 scale) as the checkpoint stores it, then the rank's slice."""
+
+    def __init__(self, store: WeightStore, scheme: QuantScheme | None, dtype, device, kernels, group: TPGroup):
+        self.store, self.scheme, self.dtype, self.device, self.kernels, self.group = \
+            store, scheme, dtype, device, kernels, group
+
+    def quantized(self, name: str) -> bool:
+        q = self.scheme is not None and self.scheme.is_quantized(name)
+        if q and self.scheme.kind != "a8w8":
+            raise CheckpointError(f"tensor_parallel_size > 1: {self.scheme.kind} checkpoints are not sharded yet "
+                                  f"(module {name}); A8W8 and float checkpoints are")
+        return q
+
+    def _weight(self, name: str, n_out: int, k: int):
+        if self.quantized(name):
+            w = self.store.get(f"{name}.weight", (n_out, k), (torch.int8,))
+            s = self.store.get(f"{name}.weight_scale", None, FLOAT_DTYPES).reshape(-1).float()
+            if s.numel() != n_out:
+                raise CheckpointError(f"tensor '{name}.weight_scale' has {s.numel()} values, expected {n_out}")
+            return w, s
+        return self.store.get(f"{name}.weight", (n_out, k), FLOAT_DTYPES), None
+
+    def column(self, parts: list[tuple[str, int, slice]], k: int):
+        """The fused projection of parts (name, rows, this rank's rows), column parallel."""
+        ws, ss = [], []
+        for name, n_out, rows in parts:
+            w, s = self._weight(name, n_out, k)
+            ws.append(w[rows])
+            ss.append(None if s is None else s[rows])
+        w = torch.cat(ws).contiguous().to(self.device)
+        if ss[0] is not None:
+            return A8W8Linear(w, torch.cat(ss).contiguous().to(self.device), self.kernels)
+        return FloatLinear(w.to(self.dtype), self.kernels)
+
+    def row(self, name: str, n_out: int, k: int, cols: slice):
+        w, s = self._weight(name, n_out, k)
+        w = w[:, cols].contiguous().to(self.device)
+        if s is not None:
+            return RowParallelA8W8(w, s.to(self.device), self.group, self.kernels)
+        return RowParallelFloat(w.to(self.dtype), self.group, self.kernels)
+
+
+def local_config(cfg: ModelConfig, group: TPGroup) -> ModelConfig:
+    """The rank's view of the architecture: its heads (the KV cache is sized from it)."""
+    s = shard_heads(cfg.num_heads, cfg.num_kv_heads, group.rank, group.size)
+    return replace(cfg, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                   intermediate_size=cfg.intermediate_size // group.size)
+
+
+def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
+                 device: torch.device, kernels: Kernels, max_positions: int, group: TPGroup,
+                 with_head: bool = True) -> Qwen3ForCausalLM:
+    """with_head False: a worker rank's model (rank 0 alone computes the logits): the embedding, no head."""
+    if cfg.moe is not None:
+        raise CheckpointError("tensor_parallel_size > 1: qwen3_moe checkpoints are not sharded yet (expert parallel "
+                              "is not done); serve them with tensor_parallel_size: 1")
+    hid, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    hs: HeadShard = shard_heads(cfg.num_heads, cfg.num_kv_heads, group.rank, group.size)
+    f = split(inter, group.rank, group.size, "intermediate_size")
+    rd = _Reader(store, scheme, dtype, device, kernels, group)
+
+    def dense(name, shape):
+        return store.get(name, shape, FLOAT_DTYPES).to(device=device, dtype=dtype, copy=True).contiguous()
+
+    if scheme is not None and scheme.is_quantized("lm_head"):
+        raise ValueError("quantization_config: a quantized lm_head is not supported; add it to 'ignore'")
+    if not with_head:
+        lm_head, embed = None, dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    elif store.has("lm_head.weight"):
+        lm_head = FloatLinear(dense("lm_head.weight", (cfg.vocab_size, hid)), kernels)
+        embed = dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    elif cfg.tie_word_embeddings:
+        lm_head, embed = FloatLinear(dense("model.embed_tokens.weight", (cfg.vocab_size, hid)), kernels), None
+    else:
+        raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
+    q_rows, kv_rows = head_rows(hs.heads, d), head_rows(hs.kv_heads, d)
+    h, kvh = cfg.num_heads, cfg.num_kv_heads
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        qkv = rd.column([(f"{p}.self_attn.q_proj", h * d, q_rows), (f"{p}.self_attn.k_proj", kvh * d, kv_rows),
+                         (f"{p}.self_attn.v_proj", kvh * d, kv_rows)], hid)
+        o = rd.row(f"{p}.self_attn.o_proj", hid, h * d, q_rows)
+        attn = Qwen3Attention(i, qkv, o, dense(f"{p}.self_attn.q_norm.weight", (d,)),
+                              dense(f"{p}.self_attn.k_norm.weight", (d,)), hs.num_heads, hs.num_kv_heads, d,
+                              cfg.rms_norm_eps, kernels)
+        gate_up = rd.column([(f"{p}.mlp.gate_proj", inter, f), (f"{p}.mlp.up_proj", inter, f)], hid)
+        down = rd.row(f"{p}.mlp.down_proj", hid, inter, f)
+        layers.append(Qwen3DecoderLayer(attn, Qwen3MLP(gate_up, down, kernels),
+                                        dense(f"{p}.input_layernorm.weight", (hid,)),
+                                        dense(f"{p}.post_attention_layernorm.weight", (hid,)),
+                                        cfg.rms_norm_eps, kernels))
+        store.release()
+    norm = dense("model.norm.weight", (hid,))
+    model = Qwen3ForCausalLM(local_config(cfg, group), embed, layers, norm, lm_head, max_positions, kernels)
+    model.use_layer_loop = False      # the C++ region has no collectives
+    log.info("rank %d/%d: heads %s, KV heads %s, MLP columns %s", group.rank, group.size, hs.heads, hs.kv_heads, f)
+    return model

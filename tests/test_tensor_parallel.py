@@ -1,0 +1,285 @@
+"""Tensor parallel (backend_lib/parallel): TP = 2 over torch.distributed's gloo, two rank processes on 127.0.0.1,
+against TP = 1 on the same checkpoint. A8W8 must give TP = 1's bits (the logits' sha256 at every step, hence the
+greedy ids), alone and in a batch; a float checkpoint must give the same bits on every run and alone as batched."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from backend_lib.parallel.shard import shard_heads, split
+
+PROMPTS = ["9707,11,1879,0", "3,4,5", "151644,872,198,9707"]
+DTYPES = "float32,bfloat16"
+
+
+def run_check(checkpoint, tp: int, *extra: str) -> dict:
+    args = [sys.executable, "-m", "backend_lib.parallel.check", "--checkpoint", str(checkpoint), "--tp", str(tp),
+            "--max-tokens", "6", *extra]
+    for p in PROMPTS:
+        args += ["--prompt-ids", p]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def alone_equals_batched(run: dict) -> None:
+    ids, digests = run["batched"]
+    assert [a[0][0] for a in run["alone"]] == ids
+    assert [a[1][0] for a in run["alone"]] == digests
+
+
+def test_a8w8_tp2_computes_tp1s_bits(a8w8_ckpt):
+    one = run_check(a8w8_ckpt, 1, "--dtype", DTYPES, "--layer-loop")
+    two = run_check(a8w8_ckpt, 2, "--dtype", DTYPES)
+    assert two["tp"] == 2
+    for dtype in DTYPES.split(","):
+        assert two[dtype] == one[dtype], dtype       # ids and the logits' bits of every step, alone and batched
+        alone_equals_batched(two[dtype][0])
+        assert len(set(two[dtype][0]["batched"][0][0])) > 1   # the random model does not collapse into one token
+
+
+def test_float_tp2_is_deterministic_and_batch_invariant(bf16_ckpt):
+    runs = run_check(bf16_ckpt, 2, "--dtype", "bfloat16", "--repeat", "2")["bfloat16"]
+    assert runs[0] == runs[1]
+    alone_equals_batched(runs[0])
+
+
+def test_heads_split_with_kv_heads_replicated_when_fewer_than_ranks():
+    s = shard_heads(16, 8, 1, 2)
+    assert (s.heads, s.kv_heads) == (slice(8, 16), slice(4, 8))
+    # 4 query heads per KV head; 8 ranks over 2 KV heads: ranks 0-3 read KV head 0, ranks 4-7 KV head 1
+    assert [shard_heads(16, 2, r, 8).kv_heads for r in range(8)] == [slice(0, 1)] * 4 + [slice(1, 2)] * 4
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        shard_heads(6, 2, 0, 4)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        shard_heads(12, 3, 0, 2)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        split(3072 + 1, 0, 2, "intermediate_size")
+
+
+def test_a_rank_that_fails_fails_the_run_naming_it(tmp_path):
+    from backend_lib.parallel.check import launch
+
+    with pytest.raises(RuntimeError, match="rank 0 exited"):
+        launch(["--checkpoint", str(tmp_path / "missing"), "--tp", "2", "--prompt-ids", "1,2"], 2, timeout_s=120)
+
+
+def test_a_rank_killed_mid_run_fails_the_run_and_leaves_no_rank(a8w8_ckpt, monkeypatch):
+    """Rank 1 dies (SIGKILL from its own fault hook) after loading: rank 0 must not wait in its collective."""
+    import time
+
+    from backend_lib.parallel.check import launch
+
+    monkeypatch.setenv("QWEN3_TP_DIE_RANK", "1")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited with -9"):
+        launch(["--checkpoint", str(a8w8_ckpt), "--tp", "2", "--prompt-ids", "1,2"], 2, timeout_s=240)
+    assert time.monotonic() - t0 < 120
+
+
+# ----- the engine with tensor_parallel_size: 2 (rank 0 in this process, rank 1 a worker it starts) -----------
+
+ENGINE_PROMPTS = [[9707, 11, 1879, 0], [3, 4, 5], [151644, 872, 198, 9707, 11, 1879, 0, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                  11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+def engine_ids(engine, seeded: bool) -> list[list[int]]:
+    from backend_lib.sampling.params import SamplingParams
+
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=12, ignore_eos=True) if seeded
+              else SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for i in range(len(ENGINE_PROMPTS))]
+    batched = [r["output_ids"] for r in engine.generate(ENGINE_PROMPTS, params)]
+    alone = [engine.generate([p], [q])[0]["output_ids"] for p, q in zip(ENGINE_PROMPTS, params)]
+    assert alone == batched
+    return batched
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "tq"])
+def test_the_engine_at_tp2_gives_tp1s_greedy_and_seeded_ids(a8w8_ckpt, kv_cache):
+    from helpers import make_engine
+
+    one = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache=kv_cache)
+    want = engine_ids(one, False), engine_ids(one, True)
+    del one
+    two = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache=kv_cache, tensor_parallel_size=2, num_threads=1)
+    try:
+        assert (engine_ids(two, False), engine_ids(two, True)) == want
+        # the same prompt again: its full pages come from the prefix cache (and the partial one by copy, on both)
+        assert engine_ids(two, False) == want[0]
+        assert two.stats.prefix_cache_hits > 0
+    finally:
+        two.runner.tp.close()
+
+
+def test_a_dead_rank_fails_the_step_and_the_next_ones_naming_it(a8w8_ckpt):
+    from helpers import make_engine
+
+    from backend_lib.parallel.runtime import RankFailure
+    from backend_lib.sampling.params import SamplingParams
+
+    engine = make_engine(a8w8_ckpt, dtype="bfloat16", tensor_parallel_size=2, num_threads=1)
+    sup = engine.runner.tp
+    try:
+        assert engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))[0]["finish_reason"]
+        sup.procs[0].kill()
+        sup.procs[0].wait()
+        engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
+        with pytest.raises(RankFailure, match="rank 1 exited with -9") as info:
+            engine.step()
+        (out,) = info.value.outputs
+        assert out.finish_reason == "error" and "rank 1 exited" in out.error
+    finally:
+        sup.close(1.0)
+    assert all(p.poll() is not None for p in sup.procs)
+
+
+def test_tensor_parallel_size_is_validated_naming_it(a8w8_ckpt):
+    from backend_lib.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(checkpoint=str(a8w8_ckpt), tensor_parallel_size=0).validate()
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 with enable_lora"):
+        EngineConfig(checkpoint=str(a8w8_ckpt), tensor_parallel_size=2, enable_lora=True).validate()
+    with pytest.raises(ValueError, match="tensor_parallel_size: 'x' is not an integer"):
+        EngineConfig.from_params({"checkpoint": str(a8w8_ckpt), "tensor_parallel_size": "x"})
+
+
+# ----- through tritonserver: config.pbtxt's tensor_parallel_size: 2 -------------------------------------------
+
+def _rank_processes() -> list[int]:
+    import os
+
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"backend_lib.parallel.runtime" in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_tritonserver_streams_tp2_ids_equal_to_tp1_and_a_killed_rank_fails_cleanly(tmp_path, a8w8_ckpt):
+    import os
+    import signal
+    import time
+
+    from helpers import GREEDY, PROMPT, SERVER_ENGINE, collect, make_engine
+
+    from harness.triton_server import TritonServer, make_repository
+
+    eng = make_engine(a8w8_ckpt, **{k: int(v) for k, v in SERVER_ENGINE.items() if k != "dtype" and v.isdigit()},
+                      dtype="bfloat16")
+    params = eng.make_params({**GREEDY["sampling_parameters"], "max_tokens": 12})
+    want = eng.generate([eng.tokenizer.encode(PROMPT)], params)[0]["output_ids"]
+    seeded = {"temperature": 0.9, "seed": 5, "ignore_eos": True, "max_tokens": 12}
+    want_seeded = eng.generate([eng.tokenizer.encode(PROMPT)], eng.make_params(seeded))[0]["output_ids"]
+    del eng
+    before = set(_rank_processes())
+    repo = make_repository(tmp_path / "models", {
+        "qwen3_tp": {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt),
+                     "tensor_parallel_size": "2", "num_threads": "1"}})
+    server = TritonServer(repo, tmp_path / "tritonserver.log").start()
+    try:
+        ids = lambda rs: [i for _, got, _ in rs for i in got]  # noqa: E731
+        res = collect(server.grpc_url, "qwen3_tp", prompt=PROMPT, sampling_parameters={
+            **GREEDY["sampling_parameters"], "max_tokens": 12})
+        assert res[-1][0] != "ERROR", res
+        assert ids(res) == want
+        res = collect(server.grpc_url, "qwen3_tp", prompt=PROMPT, sampling_parameters=seeded)
+        assert ids(res) == want_seeded
+        (worker,) = set(_rank_processes()) - before
+        os.kill(worker, signal.SIGKILL)
+        res = collect(server.grpc_url, "qwen3_tp", prompt=PROMPT, sampling_parameters={
+            **GREEDY["sampling_parameters"], "max_tokens": 4})
+        assert res[-1][0] == "ERROR" and "tensor parallel rank 1 exited" in str(res[-1][1]), res
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
+    while set(_rank_processes()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(_rank_processes()) - before
+
+
+@pytest.mark.parametrize("k", [7, 1023, 1024, 3000])
+def test_row_parallel_a8w8_sums_exactly_through_the_kernel_sets_gemm(k):
+    """One rank's share: the kernel set's A8W8 GEMM over marked slabs gives the int32 sums the reference gets,
+    at the largest products (every |q| = 127 against weights of +-127: |sum| reaches 127 * 127 * K)."""
+    import torch
+
+    from backend_lib.kernels import get_kernels
+    from backend_lib.kernels.reference.ops import a8w8_linear
+    from backend_lib.parallel import TPGroup
+    from backend_lib.parallel.linear import RowParallelA8W8
+
+    g = torch.Generator().manual_seed(k)
+    w = torch.randint(-127, 128, (40, k), dtype=torch.int8, generator=g)
+    w[0] = 127
+    w[1] = -127
+    scale = torch.rand(40, generator=g) / 100
+    x = torch.randn(5, k, generator=g)
+    x[0] = 3.0                       # every q = 127: row 0's sums are 127 * 127 * K
+    x[1, : k // 2] = 0.0
+    for kernels in (get_kernels("cpu", "cpu"), get_kernels("cpu", "reference")):
+        layer = RowParallelA8W8(w, scale, TPGroup(), kernels)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(layer(x.to(dtype)), a8w8_linear(x.to(dtype), w, scale)), (kernels.name, dtype)
+
+
+def test_a_worker_started_from_its_config_pbtxt_joins_rank_0(tmp_path, a8w8_ckpt, monkeypatch):
+    """The other-host form (a LeaderWorkerSet's worker pod): rank 0 spawns nothing (QWEN3_TP_SPAWN=0) and waits at
+    its master address; the worker reads the model's config.pbtxt with the $<MODEL>_<PARAMETER> overrides. A
+    worker whose configuration disagrees with rank 0's fails naming the parameter."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import SERVER_ENGINE, make_engine
+
+    from harness.triton_server import make_repository
+
+    repo = make_repository(tmp_path / "models", {"qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt),
+                                                               "tensor_parallel_size": "2", "num_threads": "1"}})
+    opts = {k: int(v) for k, v in SERVER_ENGINE.items() if k != "dtype" and v.isdigit()}
+    one = make_engine(a8w8_ckpt, dtype="bfloat16", **opts)
+    want = engine_ids(one, False)
+    del one
+
+    def join(env_extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        monkeypatch.setenv("QWEN3_TP_SPAWN", "0")
+        monkeypatch.setenv("QWEN3_TP_MASTER_PORT", str(port))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1", WORLD_SIZE="2", **env_extra)
+        worker = subprocess.Popen([sys.executable, "-m", "backend_lib.parallel.runtime", "--model-config",
+                                   str(repo / "qwen3_a8w8" / "config.pbtxt")], env=env, stderr=subprocess.PIPE,
+                                  text=True)
+        return worker
+
+    worker = join({})
+    two = make_engine(a8w8_ckpt, dtype="bfloat16", tensor_parallel_size=2, num_threads=1, **opts)
+    try:
+        assert engine_ids(two, False) == want
+    finally:
+        two.runner.tp.close()
+    assert worker.wait(30) == 0
+    del two
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+
+    worker = join({"QWEN3_A8W8_PAGE_SIZE": "32"})
+    with pytest.raises(Exception):
+        make_engine(a8w8_ckpt, dtype="bfloat16", tensor_parallel_size=2, num_threads=1, **opts)
+    assert worker.wait(60) != 0
+    assert "page_size differs from rank 0's" in worker.stderr.read()
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
