@@ -44,6 +44,9 @@ class EngineConfig:
     max_lora_rank: int = 16                # adapters of a higher rank are refused
     lora_modules: str | dict | None = None  # name=path pairs, or a JSON object {name: path}; + multi_lora.json
     allow_runtime_lora: bool = False       # requests may carry lora_path (an adapter loaded on first use)
+    # the folders a request's lora_path may name an adapter in (comma separated, relative to the model's folder):
+    # a lora_path is a folder inside one of them once every symlink is resolved; none: no lora_path is accepted
+    lora_roots: str | tuple[str, ...] | None = None
     tensor_parallel_size: int = 1          # ranks the model is sharded over (backend_lib/parallel): rank 0 here
     limits: SamplingLimits = field(default_factory=SamplingLimits)
 
@@ -71,7 +74,8 @@ class EngineConfig:
         for key in ("enable_prefix_caching", "cuda_graphs", "enable_lora", "allow_runtime_lora"):
             if key in kwargs:
                 kwargs[key] = _to_bool(key, kwargs[key])
-        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores", "cpu_share", "lora_modules"):
+        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores", "cpu_share", "lora_modules",
+                    "lora_roots"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
@@ -91,6 +95,10 @@ class EngineConfig:
 
             self.lora_modules = {name: resolve(path, f"lora_modules.{name}", base_dir)
                                  for name, path in parse_lora_modules(self.lora_modules).items()}
+        if self.lora_roots:
+            from .lora.registry import parse_lora_roots
+
+            self.lora_roots = parse_lora_roots(self.lora_roots, base_dir)
         return self
 
     @property

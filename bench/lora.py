@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     cold = write_adapter(root / "cold", mc, args.rank, 99)
     eng = LLMEngine(EngineConfig(checkpoint=str(ckpt), page_size=16, kv_cache_memory="1GiB", max_num_seqs=args.batch,
                                  max_num_batched_tokens=max(512, args.batch), lora_modules=modules,
-                                 max_loras=args.adapters + 1, max_lora_rank=args.rank, allow_runtime_lora=True,
+                                 max_loras=args.adapters + 1, max_lora_rank=args.rank, allow_runtime_lora=True, lora_roots=str(root),
                                  enable_prefix_caching=False))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 150000, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]

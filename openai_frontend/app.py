@@ -76,7 +76,8 @@ def _v1_routes(gateway: TritonGateway, names: TokenNames, api_key: str | None, r
         model = gen.model
         return await respond(request, gateway, gen, lambda _prompt: ChatFormat(
             model, names, gen.include_usage, reasoning=reasoning, thinking=gen.enable_thinking is not False,
-            include_reasoning=gen.include_reasoning, parse_tools=gen.tools is not None and gen.tools.parse_calls))
+            include_reasoning=gen.include_reasoning, parse_tools=gen.tools is not None and gen.tools.parse_calls,
+            forced_tools=gen.tools is not None and gen.tools.choice in ("required", None)))
 
     return router
 
@@ -111,14 +112,17 @@ def _error_handlers(app: FastAPI) -> None:
 
 def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, tokenizer=None,
                reasoning: bool = True, responses_store: ResponseStore | None = None,
-               loras: LoraAdapters | None = None, triton_metrics_url: str | None = None) -> FastAPI:
+               loras: LoraAdapters | None = None, triton_metrics_url: str | None = None,
+               model_repository: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over the Triton server at `triton_url` (gRPC).
     tokenizer: a backend_lib Tokenizer for logprob token strings (optional).
     reasoning: split Qwen3's think block into reasoning_content (False: the raw text is the content).
     responses_store: where /v1/responses keeps responses (default: ResponseStore()'s bounds).
     loras: the LoRA adapters served as models (openai_frontend/lora.py; default: none until loaded at run time).
     triton_metrics_url: Triton's metrics page, appended to /metrics (default: the host of `triton_url`, port 8002;
-    "": none)."""
+    "": none).
+    model_repository: Triton's model repository folder, where a model's relative checkpoint path is resolved for
+    /detokenize and token strings (tokenize_api.ModelTokenizers)."""
     gateway = TritonGateway(triton_url)
     if loras is not None:
         gateway.loras = loras
@@ -148,7 +152,7 @@ def create_app(triton_url: str = "localhost:8001", api_key: str | None = None, t
     app.include_router(_v1_routes(gateway, TokenNames(tokenizer), api_key, reasoning))
     app.include_router(responses_routes(gateway, ResponseStore() if responses_store is None else responses_store,
                                         reasoning, [Depends(_api_key_check(api_key))]))
-    app.include_router(tokenize_routes(gateway, ModelTokenizers(gateway, tokenizer),
+    app.include_router(tokenize_routes(gateway, ModelTokenizers(gateway, tokenizer, model_repository),
                                        [Depends(_api_key_check(api_key))]))
     app.include_router(embedding_routes(gateway, [Depends(_api_key_check(api_key))]))
     mount_playground(app)   # the chat page at /

@@ -185,13 +185,15 @@ class ChatFormat(ResponseFormat):
     prefix = "chatcmpl"
 
     def __init__(self, model: str, names: TokenNames, include_usage: bool = False, reasoning: bool = False,
-                 thinking: bool = True, include_reasoning: bool = True, parse_tools: bool = False):
+                 thinking: bool = True, include_reasoning: bool = True, parse_tools: bool = False,
+                 forced_tools: bool = False):
         super().__init__(model, names, include_usage)
         self.reasoning = Qwen3ReasoningParser(thinking) if reasoning else None
         self.include_reasoning = include_reasoning
         self.parse_tools = parse_tools
         self._reasoning_stream = self.reasoning.stream() if self.reasoning else None
-        self._tool_stream = tool_calls.ToolCallStream() if parse_tools else None
+        self.forced_tools = forced_tools   # tool_choice required / named: a call cut by max_tokens is dropped alone
+        self._tool_stream = tool_calls.ToolCallStream(forced_tools) if parse_tools else None
         self.called = False   # tool calls were returned: the finish reason is tool_calls
 
     def _parsed(self, text: str, final: bool) -> list[dict]:
@@ -249,7 +251,7 @@ class ChatFormat(ResponseFormat):
         if self.reasoning and self.include_reasoning:
             message["reasoning"] = message["reasoning_content"] = reasoning
         if self.parse_tools and content:
-            content, calls = tool_calls.parse(content)
+            content, calls = tool_calls.parse(content, self.forced_tools)
             if calls:
                 self.called = True
                 message["content"] = content

@@ -86,7 +86,13 @@ def is_llm_config(config: dict) -> bool:
     return config.get("platform") != "ensemble" and "input_ids" in inputs and "text_output" in outputs
 
 
-ABORT_WAIT_S = 10.0   # an aborted request's final response comes in milliseconds; past this, cancel
+ABORT_WAIT_S = 10.0   # an aborted request's final response comes in milliseconds after its abort; past this, cancel
+# a close() before the abort token came: the abort is sent when the token does (the model returns it at admission,
+# which a request queued behind a full batch may wait for); the stream is cancelled only if none came in this time
+TOKEN_WAIT_S = 120.0
+# responses a consumer may leave unread (a stream whose client stopped reading: its response is paused at the
+# socket's bound, connections.py); past this the request is aborted, so it never holds the model's slot
+MAX_UNREAD = 128
 SHUTDOWN_WAIT_S = 2.0   # at shutdown the streams were aborted at the signal: they are over or never will be
 _END = object()
 
@@ -110,7 +116,7 @@ class TritonStream:
     generation's; the abort-token response is consumed here, never yielded."""
 
     def __init__(self, client: aio.InferenceServerClient, model: str, inputs: list,
-                 abort_wait_s: float = ABORT_WAIT_S):
+                 abort_wait_s: float = ABORT_WAIT_S, token_wait_s: float = TOKEN_WAIT_S):
         self.model = model
         self.request_id = uuid.uuid4().hex
         self.abort_id = f"{self.request_id}-abort"
@@ -118,7 +124,10 @@ class TritonStream:
         self.abort_token: str | None = None   # from the first response (return_abort_token)
         self._abort_pending = False   # close() came before the abort token
         self.fell_back_to_cancel = False
+        self.unread_abort = False     # aborted because its consumer left MAX_UNREAD responses unread
         self._abort_wait_s = abort_wait_s
+        self._token_wait_s = token_wait_s
+        self._watchdog_s = 0.0
         self._outbox: asyncio.Queue = asyncio.Queue()   # requests to send; None ends the request side
         self._deltas: asyncio.Queue = asyncio.Queue()   # Delta | APIError | _END
         self._generation_done = False   # its final response (or an error) arrived: nothing left to abort
@@ -139,15 +148,27 @@ class TritonStream:
             self._outbox.put_nowait(None)
             self._arm_watchdog()   # the stream now ends as soon as Triton has answered everything
 
-    def _arm_watchdog(self) -> None:
-        if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().call_later(self._abort_wait_s, self._expire)
+    def _arm_watchdog(self, seconds: float | None = None) -> None:
+        """Cancels the call unless the stream ends within `seconds` (default ABORT_WAIT_S) from now; a watchdog
+        already armed for longer is brought forward (the abort was sent at last), never pushed back."""
+        seconds = self._abort_wait_s if seconds is None else seconds
+        if self._watchdog is not None:
+            if self._watchdog_s <= seconds:
+                return
+            self._watchdog.cancel()
+        self._watchdog_s = seconds
+        self._watchdog = asyncio.get_running_loop().call_later(seconds, self._expire)
 
     def _expire(self) -> None:
-        """The stream did not finish in time (the abort was not honoured): cancel it after all."""
+        """The stream did not finish in time (the abort was not honoured, or no abort token came to send it
+        with): cancel it after all."""
         if not self._reader.done():
-            log.warning("Triton request %s did not end within %g s of its abort; cancelling the stream",
-                        self.request_id, self._abort_wait_s)
+            if self.abort_token is None and self.aborted:
+                log.warning("Triton request %s sent no abort token within %g s of its close; cancelling the stream",
+                            self.request_id, self._watchdog_s)
+            else:
+                log.warning("Triton request %s did not end within %g s of its abort; cancelling the stream",
+                            self.request_id, self._watchdog_s)
             self.fell_back_to_cancel = True
             self._call.cancel()
 
@@ -178,6 +199,11 @@ class TritonStream:
                 delta = _delta(result)
                 if not self._closing:
                     self._deltas.put_nowait(delta)
+                    if self._deltas.qsize() >= MAX_UNREAD and not delta.final and not self.aborted:
+                        log.warning("Triton request %s: %d responses unread (the client stopped reading); aborting it",
+                                    self.request_id, MAX_UNREAD)
+                        self.unread_abort = True
+                        self.abort()
                 if delta.final:
                     self._generation_ended()
         except (grpc.RpcError, InferenceServerException) as exc:
@@ -229,9 +255,9 @@ class TritonStream:
         if self._generation_done or self.aborted:
             return
         self.aborted = True
-        self._arm_watchdog()
         if self.abort_token is None:
             self._abort_pending = True   # sent when the token arrives (the model sends it at admission)
+            self._arm_watchdog(self._token_wait_s)
         else:
             self._send_abort()
 
@@ -239,6 +265,7 @@ class TritonStream:
         self._abort_pending = False
         if self._half_closed:
             return
+        self._arm_watchdog()   # from the abort's sending: the fallback means "the abort was not honoured"
         inputs = []
         for name, value in (("abort_request_id", self.request_id), ("abort_token", self.abort_token)):
             tensor = grpcclient.InferInput(name, [1], "BYTES")
@@ -310,6 +337,12 @@ class TritonGateway:
                                                                         client_timeout=UNARY_TIMEOUT_S))
         ready = sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
         return [name for name in ready if await self._llm(name)]
+
+    async def model_names(self) -> set[str]:
+        """Every model of Triton's repository, whatever its state or kind."""
+        index = await self._call(self.client.get_model_repository_index(as_json=True,
+                                                                        client_timeout=UNARY_TIMEOUT_S))
+        return {m["name"] for m in index.get("models", [])}
 
     async def require_llm(self, name: str) -> None:
         """404 for a model Triton does not know or that is not an LLM; 503 for one not ready."""

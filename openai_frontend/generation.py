@@ -13,10 +13,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from backend_lib.contract.finish import FinishReason
-from .errors import APIError
+from .errors import APIError, bad_request
 from .formats import SSE_DONE, ResponseFormat, sse, usage
 from .gateway import Delta, TritonGateway
 from .params import Generation
+from .protocol import MAX_PROMPT_SCORING
 
 # Triton finish reasons -> OpenAI's; a request ended early (cancelled, or aborted: by a client's abort
 # request or a model unload) reads as vLLM's "abort"
@@ -137,7 +138,9 @@ def _keep_top(delta: Delta, n: int | None) -> Delta:
 
 async def _merged(choices: list[Choice]):
     """(choice number, delta) from every choice's stream as they come; a stream's error is raised."""
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: a consumer that stops (a client that stopped reading) stops the pumps, and each choice's own stream
+    # then ends its request at gateway.MAX_UNREAD responses unread
+    queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(choices))
     done = object()
 
     async def pump(i: int, choice: Choice):
@@ -215,6 +218,32 @@ async def _whole(gen: Generation, choices: list[Choice]) -> dict:
     return body
 
 
+async def _check_scoring(gateway: TritonGateway, gen: Generation, input_ids: list[int] | None) -> None:
+    """Prompt scoring (prompt_logprobs, echo with logprobs) is bounded per request: every choice's prompt tokens x
+    (top N + 1) entries, summed over the prompts and n, at most MAX_PROMPT_SCORING; else a 400 naming the field
+    before any work starts (a text prompt is tokenized for the count)."""
+    top = [k for k in (gen.prompt_logprobs, gen.logprobs if gen.echo else None) if k is not None]
+    if not top:
+        return
+    k, lengths, total = max(top), {}, 0
+    for prompt, _ in gen.choices():
+        if input_ids is not None:
+            n = len(input_ids)
+        elif isinstance(prompt, list) or (prompt is None and gen.prompt_ids is not None):
+            n = len(prompt if prompt is not None else gen.prompt_ids)
+        else:
+            text = prompt if prompt is not None else gen.prompt
+            if text not in lengths:
+                lengths[text] = len(await gateway.text_input_ids(text))
+            n = lengths[text]
+        total += n * (k + 1)
+    if total > MAX_PROMPT_SCORING:
+        field = "prompt_logprobs" if gen.prompt_logprobs is not None else "logprobs"
+        raise bad_request(f"{field}: scoring the prompts of this request ({len(gen.choices())} choices, top {k}) is "
+                          f"{total} entries (prompt tokens x (top N + 1), summed over prompts and n), over the "
+                          f"budget of {MAX_PROMPT_SCORING} per request", field)
+
+
 async def respond(request: Request, gateway: TritonGateway, gen: Generation, make_format) -> Response:
     """Runs `gen` on Triton and answers in the format `make_format(prompt)` builds (completion or chat),
     streamed or whole: one Triton stream per choice (each prompt x n), the first responses awaited before
@@ -226,6 +255,7 @@ async def respond(request: Request, gateway: TritonGateway, gen: Generation, mak
         tools = gen.tools.tools if gen.tools is not None else None
         input_ids = await until_disconnect(request, gateway.chat_input_ids(gen.messages, gen.enable_thinking, tools),
                                            cancel=False)
+    await _check_scoring(gateway, gen, input_ids)
     choices: list[Choice] = []
     try:
         first_fmt = None

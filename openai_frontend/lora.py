@@ -11,6 +11,8 @@ not at the first real request.
 """
 from __future__ import annotations
 
+import os
+
 from backend_lib.contract.errors import RequestError
 from backend_lib.contract.fields import check_lora_name
 from client.triton_inputs import build_inputs
@@ -54,6 +56,7 @@ class LoraAdapters:
     def __init__(self, modules: dict[str, tuple[str | None, str | None]] | None = None,
                  default_parent: str | None = None):
         self._adapters = dict(modules or {})
+        self._loading: set[str] = set()   # names a load is checking now: a second load of one is refused
         self.default_parent = default_parent
 
     def __contains__(self, name) -> bool:
@@ -81,26 +84,35 @@ class LoraAdapters:
         gen.model = await self._parent(gateway, parent)
 
     async def cards(self, gateway) -> list[dict]:
-        return [{"id": name, "object": "model", "created": 0, "owned_by": "triton", "root": path,
+        """vLLM's cards; `root` is the path only when it is relative (to the parent's lora_roots): the server's
+        absolute paths are never shown to API clients."""
+        return [{"id": name, "object": "model", "created": 0, "owned_by": "triton",
+                 "root": path if path is not None and not os.path.isabs(path) else None,
                  "parent": await self._parent(gateway, parent)} for name, (path, parent) in self._adapters.items()]
 
     async def load(self, gateway, body: LoadLoRAAdapterRequest) -> str:
         name, path, parent = body.lora_name, body.lora_path, body.base_model_name
         if name in self._adapters:
             raise bad_request(f"lora_name: the LoRA adapter '{name}' has already been loaded", "lora_name")
-        target = await self._parent(gateway, parent)
-        if name in await gateway.llm_models():
-            raise bad_request(f"lora_name: '{name}' is the name of a model", "lora_name")
-        await gateway.require_llm(target)
-        # one token with the adapter: the parent loads and validates it now (a 400 naming the field if it fails)
-        stream = gateway.stream(target, build_inputs(None, [0], stream=True, max_tokens=1, sampling_parameters={
-            "lora_name": name, "lora_path": path, "temperature": 0}))
+        if name in self._loading:   # two loads of one new name: the first one decides, the other is told
+            raise bad_request(f"lora_name: the LoRA adapter '{name}' is being loaded by another request", "lora_name")
+        self._loading.add(name)
         try:
-            async for _ in stream:
-                pass
+            target = await self._parent(gateway, parent)
+            if name in await gateway.model_names():   # any served model: an LLM, the tokenizer, an ensemble
+                raise bad_request(f"lora_name: '{name}' is the name of a model", "lora_name")
+            await gateway.require_llm(target)
+            # one token with the adapter: the parent loads and validates it now (a 400 naming the field if it fails)
+            stream = gateway.stream(target, build_inputs(None, [0], stream=True, max_tokens=1, sampling_parameters={
+                "lora_name": name, "lora_path": path, "temperature": 0}))
+            try:
+                async for _ in stream:
+                    pass
+            finally:
+                stream.close()
+            self._adapters[name] = (path, parent)
         finally:
-            stream.close()
-        self._adapters[name] = (path, parent)
+            self._loading.discard(name)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def unload(self, body: UnloadLoRAAdapterRequest) -> str:

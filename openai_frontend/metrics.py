@@ -4,7 +4,9 @@ Triton's metrics port at each scrape. When Triton's page cannot be had within TR
 metrics come alone with a comment line saying why: a scrape never fails because of Triton.
 
 - openai_frontend_requests_total{endpoint, method, status}: requests answered, by route (its path template, a
-  mount's path, `other` for a path no route serves) and HTTP status (499: the client went away first).
+  mount's path, `other` for a path no route serves), HTTP method (one of METHODS, `other` for any other token a
+  client sends: h11 takes any method, and a label value a client picks would be a new series for good) and HTTP
+  status (499: the client went away first).
 - openai_frontend_request_duration_seconds{endpoint}: from the request's arrival to its response's last byte
   (a stream's end).
 - openai_frontend_time_to_first_token_seconds{endpoint}: streamed responses, from the request's arrival to the
@@ -21,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.responses import Response
 
 TRITON_METRICS_PORT = 8002
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})   # the method label's values
 TRITON_TIMEOUT_S = 1.0
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -98,7 +101,8 @@ class CountRequests:
             m = self.metrics
             # the route's path template; a mount's path (the playground's files); `other`: no route
             endpoint = getattr(scope.get("route"), "path", None) or scope.get("root_path") or "other"
-            m.requests.labels(endpoint, scope.get("method", ""), str(status or 500)).inc()
+            method = scope.get("method", "")
+            m.requests.labels(endpoint, method if method in METHODS else "other", str(status or 500)).inc()
             m.duration.labels(endpoint).observe(time.perf_counter() - start)
             if first is not None:
                 m.ttft.labels(endpoint).observe(first - start)

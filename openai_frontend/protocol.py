@@ -36,7 +36,11 @@ MAX_LOGPROBS = LIMITS.max_logprobs        # checked here to name top_logprobs / 
 MAX_CHOICES = 256                         # prompts x n in one request
 MAX_TOOLS = 128
 MAX_DETOKENIZE = 1 << 20                  # token ids in one /detokenize
-MAX_METADATA = 16                         # Responses metadata entries
+MAX_PROMPT_SCORING = LIMITS.max_prompt_scoring   # one request's prompt scoring: sum over its prompts x n of
+#                                                 prompt tokens x (top N + 1) entries
+MAX_METADATA = 16                         # Responses metadata entries (OpenAI's bounds)
+MAX_METADATA_KEY = 64                     # characters of a metadata key
+MAX_METADATA_VALUE = 512                  # characters of a metadata value
 
 
 # ----- errors ---------------------------------------------------------------------------------------------
@@ -797,8 +801,11 @@ class CreateResponseRequest(SamplingFields, TemplateFields):
     store: Optional[StrictBool] = Field(None, description="Keep the response for GET and previous_response_id "
                                                           "(default true).")
     previous_response_id: Optional[str] = Field(None, description="Continue a stored response's conversation.")
-    metadata: Optional[Annotated[dict[str, str], Field(max_length=MAX_METADATA)]] = Field(
-        None, description=f"At most {MAX_METADATA} string values, repeated in the response.")
+    metadata: Optional[Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)],
+                                      Annotated[str, Field(max_length=MAX_METADATA_VALUE)]],
+                                 Field(max_length=MAX_METADATA)]] = Field(
+        None, description=f"At most {MAX_METADATA} string values (keys of at most {MAX_METADATA_KEY} characters, values "
+                          f"of at most {MAX_METADATA_VALUE}, as OpenAI's), repeated in the response.")
     reasoning: Optional[ReasoningConfig] = Field(None, description="Only nulls: " + _THINKING.removeprefix(
         "not supported "))
     truncation: neutral("disabled") = Field(None, description='Only "disabled".')

@@ -226,9 +226,14 @@ def responses_routes(gateway: TritonGateway, store: ResponseStore, reasoning: bo
                            "store false, or evicted)", param="previous_response_id", code="not_found")
         return stored.conversation
 
-    def keep(run: ResponseRun) -> None:
+    def keep(run: ResponseRun, final: dict | None) -> None:
+        """Stores a finished response; one the store cannot hold (larger than its byte bound alone) is answered
+        `store: false`, in the response and in its final event, so no client is told it was stored."""
         if run.req.store and run.response["status"] in ("completed", "incomplete"):
-            store.put(run.response, run.conversation())
+            if not store.put(run.response, run.conversation()):
+                run.response["store"] = False
+                if final is not None and isinstance(final.get("response"), dict):
+                    final["response"]["store"] = False
 
     async def events(run: ResponseRun, deltas):
         tally = Tally()
@@ -243,9 +248,10 @@ def responses_routes(gateway: TritonGateway, store: ResponseStore, reasoning: bo
             for event in run.fail(renamed(exc, run.req.structured)):
                 yield _sse(event)
             return
-        for event in run.finish(tally):
+        finished = run.finish(tally)
+        keep(run, finished[-1] if finished else None)
+        for event in finished:
             yield _sse(event)
-        keep(run)
 
     async def whole(run: ResponseRun, deltas) -> dict:
         tally = Tally()
@@ -253,7 +259,7 @@ def responses_routes(gateway: TritonGateway, store: ResponseStore, reasoning: bo
             tally.add(delta)
             run.feed(delta)
         run.finish(tally)
-        keep(run)
+        keep(run, None)
         return run.response
 
     @router.post("/responses", openapi_extra=request_body(CreateResponseRequest))

@@ -7,6 +7,8 @@ DetokenizeRequest (vLLM's request shapes; any other field is a 400 naming it).""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 
 from fastapi import APIRouter
 
@@ -15,27 +17,52 @@ from .gateway import TritonGateway
 from .params import chat_messages, enable_thinking
 from .protocol import DetokenizeRequest, TokenizeRequest, json_body, request_body
 
+log = logging.getLogger("openai_frontend")
+
 
 class ModelTokenizers:
-    """The tokenizer of each served model, for text (the front's --tokenizer when given)."""
+    """The tokenizer of each served model, for text (the front's --tokenizer when given). Without one, the folder
+    the model itself loaded: its `tokenizer` or `checkpoint` parameter with the model's own environment overrides
+    ($<MODEL>_TOKENIZER, $<MODEL>_CHECKPOINT, which scripts/serve.sh exports for the server and the front alike), a
+    relative path resolved against the model's folder in `model_repository` (the front's --model-repository,
+    default ./model_repository), as the model resolves it."""
 
-    def __init__(self, gateway: TritonGateway, tokenizer=None):
+    def __init__(self, gateway: TritonGateway, tokenizer=None, model_repository: str | None = None):
         self.gateway, self.fixed, self._by_model = gateway, tokenizer, {}
+        self.model_repository = model_repository
+
+    async def location(self, model: str) -> str | None:
+        params = await self.gateway.model_parameters(model)
+        for key in ("tokenizer", "checkpoint"):
+            where = os.environ.get(f"{model.upper()}_{key.upper()}") or params.get(key)
+            if where:
+                break
+        else:
+            return None
+        from backend_lib.checkpoint.hub import parse_hub_id
+
+        path = os.path.expanduser(where)
+        if not os.path.isabs(path) and self.model_repository:
+            local = os.path.normpath(os.path.join(self.model_repository, model, path))
+            if os.path.isdir(local) or parse_hub_id(where) is None:
+                return local
+        return where
 
     async def get(self, model: str):
         if self.fixed is not None:
             return self.fixed
         if model not in self._by_model:
-            params = await self.gateway.model_parameters(model)
-            where = params.get("tokenizer") or params.get("checkpoint")
+            where = await self.location(model)
             if not where:
                 raise unavailable(f"detokenize: the model '{model}' names no checkpoint; start the front with "
                                   "--tokenizer")
             try:
                 self._by_model[model] = await asyncio.to_thread(_load, where)
             except Exception as exc:
-                raise unavailable(f"detokenize: cannot load the tokenizer of '{model}' ({where}): {exc}; start the "
-                                  "front with --tokenizer") from None
+                log.warning("cannot load the tokenizer of %r from %s: %s", model, where, exc)
+                # the server's paths stay in the front's log
+                raise unavailable(f"detokenize: cannot load the tokenizer of '{model}'; start the front with "
+                                  "--tokenizer or --model-repository") from None
         return self._by_model[model]
 
 

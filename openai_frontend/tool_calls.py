@@ -10,7 +10,9 @@ with what vLLM's chat serving layer does with its result:
   when its JSON is complete. Each body must be a JSON object with a string "name" and an
   "arguments" member; arguments are re-serialized with `json.dumps(arguments, ensure_ascii=False)`.
 - If any block fails (malformed or truncated JSON, missing keys), there are no calls at all and
-  the whole text is content, as in vLLM.
+  the whole text is content, as in vLLM. Except for a forced call (tool_choice required or a named function,
+  whose grammar makes every block a valid call): there a last block cut by max_tokens is dropped and the
+  complete calls before it are returned (finish_reason length).
 - Content is the text before the first `<tool_call>`, unstripped, or None when it is empty or only
   whitespace (vLLM's serving layer drops whitespace-only content when tools were called). Text
   between or after blocks is dropped, as vLLM drops it.
@@ -63,15 +65,20 @@ def _call(body: str) -> ToolCall | None:
     return ToolCall("call_" + secrets.token_hex(12), obj["name"], json.dumps(obj["arguments"], ensure_ascii=False))
 
 
-def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole output (or of the content part the reasoning parser left)."""
+def parse(text: str, keep_complete: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole output (or of the content part the reasoning parser left). keep_complete (a
+    forced call, tool_choice required or named: the grammar makes every block a valid call, so only max_tokens can
+    cut one): an unclosed last block that does not parse is dropped and the complete calls before it are kept."""
     start = text.find(TOOL_CALL_START)
     if start < 0:
         return text or None, []
     calls = []
-    for closed, unclosed in _BLOCK.findall(text):
+    blocks = _BLOCK.findall(text)
+    for i, (closed, unclosed) in enumerate(blocks):
         call = _call(closed or unclosed)
         if call is None:
+            if keep_complete and calls and i == len(blocks) - 1 and not closed:
+                break   # the output was cut inside its last call
             return text, []
         calls.append(call)
     content = text[:start]
@@ -81,7 +88,8 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
 class ToolCallStream:
     """Incremental `parse()`: `feed()` and `finish()` return OpenAI chat.completion.chunk `delta` dicts."""
 
-    def __init__(self):
+    def __init__(self, keep_complete: bool = False):
+        self.keep_complete = keep_complete   # see parse()
         self._parts: list[str] = []  # every delta, for the whole-output parse in finish()
         self._pending = ""  # unsent text before the first <tool_call>
         self._sent = 0  # content characters sent
@@ -107,7 +115,7 @@ class ToolCallStream:
         return [{"content": text[:sendable]}]
 
     def finish(self) -> list[dict]:
-        content, calls = parse("".join(self._parts))
+        content, calls = parse("".join(self._parts), self.keep_complete)
         deltas = []
         if content and len(content) > self._sent:
             deltas.append({"content": content[self._sent:]})

@@ -11,7 +11,7 @@ from backend_lib.checkpoint.errors import CheckpointError
 from backend_lib.embedding import rerank_prompt
 from backend_lib.embedding.model import EmbedConfig, EmbeddingModel, cosine
 from backend_lib.embedding.st_config import EmbeddingSpec
-from backend_lib.sampling.errors import RequestError
+from backend_lib.contract.errors import RequestError
 
 TEXTS = ["Hello world", "The capital of China is Beijing.", "Gravity is a force by which a planet draws objects",
          "def f(x): return x * 2", "你好，世界", "a " * 120]

@@ -4,6 +4,7 @@ and requests refused naming the file and field."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -176,7 +177,8 @@ def test_registry_keeps_at_most_max_loras_resident_lru(bf16_ckpt, adapters):
 
 
 def test_runtime_register_unregister_and_lora_path(bf16_ckpt, adapters):
-    eng = make_engine(bf16_ckpt, enable_lora=True, allow_runtime_lora=True)
+    root = os.path.dirname(modules(adapters)["all"])
+    eng = make_engine(bf16_ckpt, enable_lora=True, allow_runtime_lora=True, lora_roots=root)
     ids = eng.tokenizer.encode(PROMPTS[0])
     with pytest.raises(RequestError, match=r"lora_name: unknown LoRA adapter 'all' \(known: none\)"):
         eng.make_params({"lora_name": "all"}) and eng.make_request("a", ids, eng.make_params({"lora_name": "all"}))
@@ -188,7 +190,8 @@ def test_runtime_register_unregister_and_lora_path(bf16_ckpt, adapters):
     via_path = eng.generate([ids], greedy(eng, 8, lora_name="x", lora_path=modules(adapters)["all"]))[0]["output_ids"]
     assert via_path == via_register
     # a run-time name follows its latest path (the OpenAI front's unload + load under the same name)
-    mlp = make_engine(bf16_ckpt, lora_modules={"mlp": modules(adapters)["mlp"]}, allow_runtime_lora=True)
+    mlp = make_engine(bf16_ckpt, lora_modules={"mlp": modules(adapters)["mlp"]}, allow_runtime_lora=True,
+                      lora_roots=root)
     assert eng.generate([ids], greedy(eng, 8, lora_name="x", lora_path=modules(adapters)["mlp"]))[0]["output_ids"] \
         == mlp.generate([ids], greedy(mlp, 8, lora_name="mlp"))[0]["output_ids"]
     with pytest.raises(RequestError, match="lora_path: LoRA adapter 'mlp' is configured from"):
@@ -287,7 +290,8 @@ def test_hostile_adapters_are_refused_naming_file_and_field(tmp_path, fp32_engin
 
 
 def test_a_hostile_adapter_loaded_at_run_time_fails_that_request_alone(tmp_path, bf16_ckpt, adapters):
-    eng = make_engine(bf16_ckpt, allow_runtime_lora=True, lora_modules={"all": modules(adapters)["all"]})
+    eng = make_engine(bf16_ckpt, allow_runtime_lora=True, lora_modules={"all": modules(adapters)["all"]},
+                      lora_roots=str(tmp_path))
     bad = _copy(adapters["all"][0], tmp_path / "bad", config={"r": 64})
     ids = eng.tokenizer.encode(PROMPTS[0])
     ok = greedy(eng, 6, lora_name="all")
@@ -360,3 +364,44 @@ def test_each_rows_update_is_bit_identical_whatever_shares_its_batch(fp32_engine
             assert torch.equal(alone[0], together[i]), i
             touched = a is not None and a.delta(1, fused) is not None
             assert torch.equal(together[i], base[i]) != touched, i
+
+
+def test_a_requests_lora_path_comes_only_from_the_lora_roots_and_errors_disclose_no_path(tmp_path, bf16_ckpt,
+                                                                                         adapters):
+    from backend_lib.lora.registry import NOT_IN_ROOTS
+
+    root, outside = tmp_path / "roots" / "adapters", tmp_path / "elsewhere"
+    root.mkdir(parents=True)
+    outside.mkdir()
+    (root / "org").mkdir()
+    _copy(adapters["all"][0], root / "org" / "name")
+    secret = _copy(adapters["all"][0], outside / "secret")
+    (root / "link-out").symlink_to(secret)                     # a folder that leads out of the root
+    (root / "files-out").mkdir()                               # a folder inside whose files lead out
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (root / "files-out" / f).symlink_to(secret / f)
+    eng = make_engine(bf16_ckpt, allow_runtime_lora=True, lora_modules={"mlp": modules(adapters)["mlp"]},
+                      lora_roots=f"{root}, {tmp_path / 'missing-root'}")
+    ids = eng.tokenizer.encode(PROMPTS[0])
+    ok = eng.generate([ids], greedy(eng, 6, lora_name="r", lora_path="org/name"))[0]["output_ids"]   # not a Hub id
+    assert ok == eng.generate([ids], greedy(eng, 6, lora_name="r2", lora_path=str(root / "org" / "name")))[0][
+        "output_ids"]
+    hostile = [str(secret), "link-out", "files-out", "../../elsewhere/secret", "/etc", "/no/such/folder", "nope",
+               "org/../../../elsewhere/secret", "Qwen/Qwen3-0.6B", str(root)]
+    for i, path in enumerate(hostile):
+        with pytest.raises(RequestError) as exc:
+            eng.make_request("h", ids, greedy(eng, 2, lora_name=f"h{i}", lora_path=path))
+        assert str(exc.value) == NOT_IN_ROOTS, path   # one message, whether the path exists or not
+    # a bad adapter inside the root: its error names the file relative to the root, never the server's path
+    _copy(adapters["all"][0], root / "bad", config={"r": 64})
+    with pytest.raises(RequestError, match=r"^lora_name: adapter 'b': bad/adapter_config.json: r 64") as exc:
+        eng.make_request("b", ids, greedy(eng, 2, lora_name="b", lora_path="bad"))
+    assert str(tmp_path) not in str(exc.value)
+    # unknown names list the configured adapters only, never the names other clients registered
+    with pytest.raises(RequestError, match=r"^lora_name: unknown LoRA adapter 'zz' \(known: mlp\)$"):
+        eng.make_request("z", ids, greedy(eng, 2, lora_name="zz"))
+    with pytest.raises(RequestError, match="is configured from another folder; use another lora_name$"):
+        eng.make_request("m", ids, greedy(eng, 2, lora_name="mlp", lora_path="org/name"))
+    no_roots = make_engine(bf16_ckpt, allow_runtime_lora=True)
+    with pytest.raises(RequestError, match="lora_path: this model takes no lora_path"):
+        no_roots.make_request("n", ids, greedy(no_roots, 2, lora_name="n", lora_path=str(root / "org" / "name")))

@@ -342,3 +342,26 @@ def test_metrics_count_requests_and_survive_a_triton_that_does_not_answer():
                  if s.name.endswith("_count")}
     assert durations == {"/v1/completions": 3, "/playground": 1}
     assert "openai_frontend_time_to_first_token_seconds" in families   # no stream yet: no samples
+
+
+def test_the_fronts_tokenizer_is_the_folder_the_model_loaded(tmp_path, monkeypatch):
+    """The model's environment override first (as the model reads it: $<MODEL>_CHECKPOINT, which serve.sh exports),
+    then config.pbtxt's value, a relative one against the model's folder in the repository (as the model resolves it)."""
+    import asyncio
+
+    from openai_frontend.tokenize_api import ModelTokenizers
+
+    class Gateway:
+        async def model_parameters(self, name):
+            return {"checkpoint": "../../demo_checkpoints/qwen3-0.6b-bf16"}
+
+    repo = tmp_path / "model_repository"
+    (repo / "qwen3_tq").mkdir(parents=True)
+    tokenizers = ModelTokenizers(Gateway(), None, str(repo))
+    monkeypatch.delenv("QWEN3_TQ_CHECKPOINT", raising=False)
+    monkeypatch.delenv("QWEN3_TQ_TOKENIZER", raising=False)
+    assert asyncio.run(tokenizers.location("qwen3_tq")) == str(tmp_path / "demo_checkpoints" / "qwen3-0.6b-bf16")
+    monkeypatch.setenv("QWEN3_TQ_CHECKPOINT", "/ckpt/bf16")
+    assert asyncio.run(tokenizers.location("qwen3_tq")) == "/ckpt/bf16"
+    monkeypatch.setenv("QWEN3_TQ_TOKENIZER", "/ckpt/tok")
+    assert asyncio.run(tokenizers.location("qwen3_tq")) == "/ckpt/tok"

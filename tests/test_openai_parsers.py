@@ -280,3 +280,24 @@ def test_streamed_arguments_are_json():
     _, out = chained_stream(Qwen3ReasoningParser(), [THINK_TOOLS])
     assert [json.loads(a) for _, a in collect(out)[1]][1] == {
         "who": {"name": "Zoë", "tags": ["a", "b"]}, "n": 2, "ok": True, "note": None}
+
+
+def test_a_forced_call_cut_by_max_tokens_keeps_the_complete_calls_before_it():
+    from openai_frontend import tool_calls
+
+    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    cut = one + '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    # vLLM's rule (auto): a block that fails turns everything back into content
+    assert tool_calls.parse(cut) == (cut, [])
+    content, calls = tool_calls.parse(cut, keep_complete=True)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    # a malformed *closed* block, or a cut first block, is no complete call: content as before
+    bad = one + "\n<tool_call>\n{nope}\n</tool_call>"
+    assert tool_calls.parse(bad, keep_complete=True) == (bad, [])
+    first_cut = '<tool_call>\n{"name": "get_w'
+    assert tool_calls.parse(first_cut, keep_complete=True) == (first_cut, [])
+    for split in range(1, len(cut), 7):   # streamed: the same calls
+        stream = tool_calls.ToolCallStream(keep_complete=True)
+        deltas = stream.feed(cut[:split]) + stream.feed(cut[split:]) + stream.finish()
+        assert [d["tool_calls"][0]["function"].get("name") for d in deltas if "tool_calls" in d] == ["get_weather", None]
+        assert not any("content" in d for d in deltas)

@@ -85,3 +85,41 @@ def test_fcfs_refuses_a_priority_and_the_policy_is_checked(bf16_engine, bf16_ckp
         bf16_engine.make_params({"priority": 2**40})
     with pytest.raises(ValueError, match="scheduling_policy"):
         make_engine(bf16_ckpt, scheduling_policy="lifo")
+
+
+def test_a_flood_of_higher_priority_requests_delays_a_low_one_but_never_starves_it(bf16_ckpt):
+    """Aging: a priority-1 request behind a flood of priority-0 ones (two new ones every step, one slot, so the flood
+    never ends by itself) is overtaken by at most PRIORITY_AGING of them, then runs with its solo tokens; a
+    client's priority of -2**31 ages as -PRIORITY_SPAN (the bound holds for any value)."""
+    from backend_lib.engine.scheduler import PRIORITY_AGING, PRIORITY_SPAN, Scheduler
+
+    eng = make_engine(bf16_ckpt, scheduling_policy="priority", max_num_seqs=1)
+    ids = eng.tokenizer.encode(PROMPTS[0])
+    solo = eng.generate([ids], _params(eng, n=2))[0]["output_ids"]
+    eng.add_request("low", ids, _params(eng, 1, 2))
+    overtaken, low_out, added = 0, [], 0
+    for _ in range(4 * PRIORITY_AGING):   # bounded: the low one must be done well before
+        for _ in range(2):
+            eng.add_request(f"f{added}", ids, _params(eng, 0, 2))
+            added += 1
+        for out in eng.step():
+            if out.request_id == "low":
+                low_out += out.new_token_ids
+            elif out.finished and not low_out:
+                overtaken += 1
+        if len(low_out) == 2:
+            break
+    assert low_out == solo, (overtaken, added)
+    assert PRIORITY_AGING // 2 <= overtaken <= PRIORITY_AGING, overtaken   # it waited, and not forever
+    while eng.has_unfinished():
+        eng.step()
+
+    class Seq:
+        def __init__(self, priority, arrival):
+            self.params, self.arrival = type("P", (), {"priority": priority})(), arrival
+
+    rank = Scheduler._rank
+    victim = Seq(0, 0)
+    assert rank(Seq(-2**31, PRIORITY_AGING * PRIORITY_SPAN - 1)) < rank(victim) < \
+        rank(Seq(-2**31, PRIORITY_AGING * PRIORITY_SPAN + 1))
+    assert rank(Seq(-2**31, 5)) < rank(Seq(-2**30, 5))   # among equally aged, the priority still orders

@@ -70,3 +70,16 @@ def test_prompt_logprobs_survive_a_preemption(bf16_ckpt):
 def test_bad_prompt_logprobs_name_the_field(bf16_engine, value):
     with pytest.raises(RequestError, match="prompt_logprobs"):
         bf16_engine.make_params({"prompt_logprobs": value})
+
+
+def test_prompt_scoring_is_bounded_by_a_budget_named_in_the_error(bf16_ckpt):
+    """prompt tokens x (top N + 1) entries at most max_prompt_scoring (default 65536) per request: over it, refused
+    naming prompt_logprobs and the limit; at it, admitted."""
+    from backend_lib.sampling.params import SamplingLimits
+
+    assert SamplingLimits().max_prompt_scoring == 65536
+    eng = make_engine(bf16_ckpt, limits=SamplingLimits(max_prompt_scoring=4200))
+    with pytest.raises(RequestError, match=r"^prompt_logprobs: scoring 201 prompt tokens with 20 alternatives each "
+                                           r"is 4221 entries, over this model's budget of 4200 \(max_prompt_scoring\)"):
+        eng.make_request("big", [9707] * 201, _params(eng, prompt_logprobs=20))
+    eng.make_request("ok", [9707] * 200, _params(eng, prompt_logprobs=20, max_tokens=1))   # 4200: admitted

@@ -241,3 +241,24 @@ def test_fill_masks_gives_the_mask_after_each_draft_prefix_and_leaves_the_gramma
     assert masked == [True, True, False, False]
     g.fill_mask(again)
     assert torch.equal(again, expect[0])
+
+
+def test_json_integers_are_bounded_to_16_digits_by_default_a_schemas_own_bounds_winning(engine):
+    """llama.cpp's integral part `[1-9] [0-9]{0,15}`: an integer with no bound of its own takes at most 16 digits
+    (a random model once wrote a 64-digit one); a schema's own bounds win; numbers keep exponents and -0."""
+    from backend_lib.contract.structured import INTEGER_BOUND, bound_integers
+
+    plain = {"json": {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}}}}
+    assert _accepts(engine, plain, '{"n": 9999999999999999, "x": 1e5}')
+    assert _accepts(engine, plain, '{"n": -9999999999999999, "x": -0}')
+    assert not _accepts(engine, plain, '{"n": 12345678901234567, "x": 1}')
+    assert not _accepts(engine, plain, '{"n": ' + "1" * 64 + ', "x": 1}')
+    own = {"json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 10**18}}}}
+    assert _accepts(engine, own, '{"n": 123456789012345678}')    # its own maximum wins (18 digits)
+    assert not _accepts(engine, own, '{"n": -1}')
+    assert bound_integers({"type": "integer", "minimum": 10**18}) == {"type": "integer", "minimum": 10**18}
+    nested = bound_integers({"anyOf": [{"type": ["integer", "null"]}], "items": {"type": "integer"},
+                             "const": {"type": "integer"}, "$defs": {"a": {"type": "integer", "maximum": 5}}})
+    assert nested["anyOf"][0]["maximum"] == INTEGER_BOUND and nested["items"]["minimum"] == -INTEGER_BOUND
+    assert nested["const"] == {"type": "integer"}    # data, not a schema: untouched
+    assert nested["$defs"]["a"] == {"type": "integer", "maximum": 5, "minimum": -INTEGER_BOUND}

@@ -31,6 +31,8 @@ class SamplingLimits:
     max_logit_bias: int = 1024            # logit_bias entries
     max_bad_words: int = 64
     max_bad_word_len: int = 256
+    # prompt scoring (prompt_logprobs) of one request: prompt tokens x (alternatives + 1) entries at most
+    max_prompt_scoring: int = 65536
 
 
 @dataclass(frozen=True)
@@ -106,12 +108,17 @@ def check_logit_bias(value, vocab_size: int | None, max_entries: int) -> dict[in
         raise RequestError(f"logit_bias: at most {max_entries} entries, got {len(value)}")
     hi = vocab_size if vocab_size is not None else INT32_MAX + 1
     out = {}
+    keys = {}
     for key, bias in value.items():
         tid = key
         if isinstance(key, str):
             tid = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else None
         if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < hi:
             raise RequestError(f"logit_bias: key {str(key)[:32]!r} is not a token id in [0, {hi})")
+        if tid in keys:   # "9707" and "09707": one id twice, whichever came last would win silently
+            raise RequestError(f"logit_bias: keys {str(keys[tid])[:32]!r} and {str(key)[:32]!r} name the same token "
+                               f"id {tid}")
+        keys[tid] = key
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
                 -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE):
             shown = bias if isinstance(bias, float) or (isinstance(bias, int) and abs(bias) < 10**24) \

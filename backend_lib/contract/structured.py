@@ -29,6 +29,42 @@ NEUTRAL_OPTIONS = {"disable_fallback": (False, True),   # there is no other back
 # `whitespace_pattern` replaces the default.
 JSON_OPTIONS = ("disable_any_whitespace", "whitespace_pattern")
 BOUNDED_WHITESPACE = r"( |\n[ \t]{0,20})"   # llguidance: the optional whitespace between two JSON tokens
+# JSON integers are bounded by default to 16 digits, as llama.cpp's JSON grammars bound an integral part
+# ([1-9][0-9]{0,15}): an integer schema without a bound of its own gets minimum / maximum +-(10^16 - 1), so a weak
+# model cannot spend max_tokens on one 64-digit number; a schema's own bounds win (a side it bounds is left as it
+# is, and no default is added that would contradict it). Numbers keep llguidance's own grammar: bounding them there
+# would also forbid exponents ("1e5") and "-0", a change of what a valid answer is.
+INTEGER_BOUND = 10**16 - 1
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+
+
+def bound_integers(schema):
+    """`schema` with INTEGER_BOUND added to every integer (sub)schema that has no bound of its own (a copy)."""
+    if isinstance(schema, list):
+        return [bound_integers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: bound_integers(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS + _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = bound_integers(out[key])
+    kind = out.get("type")
+    if (kind == "integer" or (isinstance(kind, list) and "integer" in kind)) and "multipleOf" not in out:
+        low = next((out[k] for k in ("minimum", "exclusiveMinimum") if isinstance(out.get(k), (int, float))
+                    and not isinstance(out.get(k), bool)), None)
+        high = next((out[k] for k in ("maximum", "exclusiveMaximum") if isinstance(out.get(k), (int, float))
+                     and not isinstance(out.get(k), bool)), None)
+        if low is None and (high is None or high >= -INTEGER_BOUND):
+            out["minimum"] = -INTEGER_BOUND
+        if high is None and (low is None or low <= INTEGER_BOUND):
+            out["maximum"] = INTEGER_BOUND
+    return out
 # vLLM's older top-level SamplingParams / OpenAI extra keys, read as structured_outputs.<key>.
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar", "guided_json_object": "json_object"}
@@ -140,7 +176,10 @@ class StructuredSpec:
                 defaults["whitespace_pattern"] = self.whitespace
             elif not self.compact:
                 defaults["whitespace_pattern"] = BOUNDED_WHITESPACE
-            return llguidance.LLMatcher.grammar_from_json_schema(self.text, defaults=defaults)
+            text = self.text
+            if self.kind == "json":
+                text = json.dumps(bound_integers(json.loads(text)), ensure_ascii=False)
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=defaults)
         fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar"}[self.kind]
         return llguidance.grammar_from(fmt, self.text)
 

@@ -27,7 +27,7 @@ from ..kernels import get_kernels
 from ..kv_cache.dense import DenseKVCache
 from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
-from ..sampling.errors import RequestError
+from ..contract.errors import RequestError
 from . import rerank_prompt
 from .st_config import EmbeddingSpec
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
-from ..sampling.errors import RequestError
+from ..contract.errors import RequestError
 
 POOLINGS = ("lasttoken", "mean", "cls")
 _MODULES = {

@@ -88,7 +88,8 @@ class LLMEngine:
             from ..lora import BaseShape, LoraRegistry, parse_lora_modules
 
             self.lora = LoraRegistry(parse_lora_modules(cfg.lora_modules), BaseShape.of(mc), cfg.max_loras,
-                                     cfg.max_lora_rank, kernels, self.device, cfg.allow_runtime_lora)
+                                     cfg.max_lora_rank, kernels, self.device, cfg.allow_runtime_lora,
+                                     roots=cfg.lora_roots)
         self.block_manager = BlockManager(self.runner.kv_cache.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.scheduling_policy)
@@ -123,6 +124,12 @@ class LLMEngine:
         if params.priority and self.cfg.scheduling_policy != "priority":
             raise RequestError(f"priority: {params.priority} needs the model parameter scheduling_policy: priority "
                                "(this model schedules fcfs)")
+        if params.prompt_logprobs is not None:   # bounded work: scoring costs prompt tokens x (top N + 1)
+            cost, budget = len(prompt_ids) * (params.prompt_logprobs + 1), self.cfg.limits.max_prompt_scoring
+            if cost > budget:
+                raise RequestError(f"prompt_logprobs: scoring {len(prompt_ids)} prompt tokens with "
+                                   f"{params.prompt_logprobs} alternatives each is {cost} entries, over this model's "
+                                   f"budget of {budget} (max_prompt_scoring)")
         room = self.max_model_len - len(prompt_ids)
         if params.max_tokens is not None and params.max_tokens > room:   # as vLLM: an error, not a clamp
             raise RequestError(f"max_tokens: {params.max_tokens} exceeds the {room} tokens left in the context "

@@ -28,6 +28,10 @@ from .step import StepPlan
 from .sequence import Sequence, SequenceStatus
 
 
+PRIORITY_AGING = 64     # later arrivals that make up one priority unit (scheduling_policy priority)
+PRIORITY_SPAN = 1000    # priorities beyond +-PRIORITY_SPAN age as +-PRIORITY_SPAN (they still order among equals)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs"):
@@ -50,9 +54,14 @@ class Scheduler:
         self._enqueue(seq)
 
     @staticmethod
-    def _rank(seq: Sequence) -> tuple[int, int]:
-        """Priority order: lower `priority` first, then earlier arrival."""
-        return (seq.params.priority, seq.arrival)
+    def _rank(seq: Sequence) -> tuple[int, int, int]:
+        """Priority order with aging: lower `priority` first, then earlier arrival, and every PRIORITY_AGING later
+        arrivals weigh one priority unit: a waiting request is overtaken by at most PRIORITY_AGING x (its priority
+        minus theirs) later arrivals, so a flood of higher-priority requests delays it, never starves it (priorities are
+        clamped to +-PRIORITY_SPAN for the aging, so that bound holds for any value a client sends). A static key:
+        the age of every waiting request grows alike, so the order of those already waiting never changes."""
+        p = seq.params.priority
+        return (max(-PRIORITY_SPAN, min(PRIORITY_SPAN, p)) * PRIORITY_AGING + seq.arrival, p, seq.arrival)
 
     def _enqueue(self, seq: Sequence, front: bool = False) -> None:
         if not self.priority:

@@ -35,6 +35,8 @@ N_BUCKETS = [1, 2, 5, 10, 20]
 FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT, FinishReason.CANCELLED,
                   FinishReason.ERROR)
 FLUSH_PERIOD_S = 0.1
+OTHER_LORA = "other"          # the lora_name label of every adapter registered at run time
+MAX_LORA_INFO_SERIES = 64     # vllm:lora_requests_info series kept (the oldest combination dropped first)
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -95,8 +97,11 @@ class MetricsBuffer:
 
 
 class EngineMetrics:
-    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int, max_loras: int | None = None):
-        """max_loras: LoRA on (vllm:lora_requests_info is published); None: off."""
+    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int, max_loras: int | None = None,
+                 configured_loras=frozenset()):
+        """max_loras: LoRA on (vllm:lora_requests_info is published); None: off. configured_loras: the adapter
+        names of the configuration, the only ones that become label values: a name registered at run time (any
+        client's string) is counted as OTHER_LORA, so the series stay bounded however many names clients send."""
         M = pb_utils.MetricFamily
         self._families = []  # a MetricFamily must outlive its Metric objects
 
@@ -150,6 +155,10 @@ class EngineMetrics:
         self._lora_requests = None if max_loras is None else fam(
             "vllm:lora_requests_total", "Finished requests by LoRA adapter", M.COUNTER)
         self._lora_counts: dict[str, object] = {}
+        self._configured_loras = frozenset(configured_loras)
+
+    def lora_label(self, name: str) -> str:
+        return name if name in self._configured_loras else OTHER_LORA
 
     def _finished(self, req: FinishedRequest) -> None:
         metric = self._by_reason.get(req.reason)
@@ -162,10 +171,11 @@ class EngineMetrics:
         self.request_generation.observe(req.generation_tokens)
         self.request_n.observe(1)    # each of n choices is an engine request of its own
         if req.lora_name is not None and self._lora_requests is not None:
-            counter = self._lora_counts.get(req.lora_name)
+            label = self.lora_label(req.lora_name)
+            counter = self._lora_counts.get(label)
             if counter is None:
-                counter = self._lora_counts[req.lora_name] = self._lora_requests.Metric(
-                    labels={**self._labels, "lora_name": req.lora_name})
+                counter = self._lora_counts[label] = self._lora_requests.Metric(
+                    labels={**self._labels, "lora_name": label})
             counter.increment(1)
 
     def flush(self, updates: MetricsBuffer, stats) -> None:
@@ -194,9 +204,12 @@ class EngineMetrics:
             self.prefix_hits.increment(stats.prefix_cache_hits - self._published_hits)
             self._published_hits = stats.prefix_cache_hits
         if self._lora_info is not None:
-            key = (stats.lora_running, stats.lora_waiting)
+            key = tuple(tuple(sorted({self.lora_label(n) for n in names})) for names in (stats.lora_running,
+                                                                                         stats.lora_waiting))
             series = self._lora_series.get(key)
             if series is None:
+                if len(self._lora_series) >= MAX_LORA_INFO_SERIES:   # the oldest combination's series goes
+                    self._lora_series.pop(next(iter(self._lora_series)))
                 series = self._lora_series[key] = self._lora_info.Metric(labels={
                     **self._labels, "max_lora": str(self._max_loras), "running_lora_adapters": ",".join(key[0]),
                     "waiting_lora_adapters": ",".join(key[1])})

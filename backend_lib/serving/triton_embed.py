@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ..sampling.errors import RequestError
+from ..contract.errors import RequestError
 from .log import get_logger, setup as setup_logging
 from .launcher import mark_load
 from .request import list_values, scalar, text_value

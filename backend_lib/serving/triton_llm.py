@@ -88,7 +88,8 @@ class TritonLLMModel:
         self.metrics = MetricsBuffer()
         self.publisher = MetricsPublisher(
             EngineMetrics(pb_utils, {"model": self.name, "version": args.get("model_version", "1")},
-                          self.engine.max_model_len, cfg.max_loras if self.engine.lora is not None else None),
+                          self.engine.max_model_len, cfg.max_loras if self.engine.lora is not None else None,
+                          self.engine.lora.configured if self.engine.lora is not None else ()),
             self.metrics,
             lambda: self.loop.stats, name=f"{self.name}-metrics")
         self._queue: queue.Queue = queue.Queue()
