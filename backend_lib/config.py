@@ -44,6 +44,9 @@ class EngineConfig:
     max_lora_rank: int = 16                # adapters of a higher rank are refused
     lora_modules: str | dict | None = None  # name=path pairs, or a JSON object {name: path}; + multi_lora.json
     allow_runtime_lora: bool = False       # requests may carry lora_path (an adapter loaded on first use)
+    # speculative decoding (docs/speculative.md): vLLM's --speculative-config JSON, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    speculative_config: str | dict | None = None
     limits: SamplingLimits = field(default_factory=SamplingLimits)
 
     @classmethod
@@ -69,7 +72,8 @@ class EngineConfig:
         for key in ("enable_prefix_caching", "cuda_graphs", "enable_lora", "allow_runtime_lora"):
             if key in kwargs:
                 kwargs[key] = _to_bool(key, kwargs[key])
-        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores", "cpu_share", "lora_modules"):
+        for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores", "cpu_share", "lora_modules",
+                    "speculative_config"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
@@ -90,6 +94,13 @@ class EngineConfig:
             self.lora_modules = {name: resolve(path, f"lora_modules.{name}", base_dir)
                                  for name, path in parse_lora_modules(self.lora_modules).items()}
         return self
+
+    @property
+    def speculative(self):
+        """The validated speculative_config (backend_lib.spec.SpeculativeConfig), None when off."""
+        from .spec.config import parse_speculative_config
+
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def lora_enabled(self) -> bool:
@@ -133,6 +144,7 @@ class EngineConfig:
             from .lora.registry import parse_lora_modules
 
             parse_lora_modules(self.lora_modules)
+        self.speculative   # noqa: B018 (parsing is the validation: errors name speculative_config.<key>)
         return self
 
     @classmethod

@@ -12,6 +12,7 @@ from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
 from ..sampling.device_sampler import DeviceSampler
 from ..sampling.sampler import Sample, SampleError, Sampler
+from ..spec.decoder import SpecDecoder
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 from .warmup import CudaMemory, kv_budget_after_warmup, warm_up
@@ -64,16 +65,18 @@ class ModelRunner:
         qsl, lens, tables, sample_rows, sample_seqs = [0], [], [], [], []
         for seq, n in plan:
             start = seq.num_computed
-            ids.extend(seq.tokens[start:start + n])
+            tokens = seq.tokens + seq.spec_tokens if seq.spec_tokens else seq.tokens   # [spec] drafts after them
+            ids.extend(tokens[start:start + n])
             positions.extend(range(start, start + n))
             bt = seq.block_table
             slots.extend(bt[p // S] * S + p % S for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
             tables.append(bt)
-            if start + n == seq.num_tokens:
-                sample_rows.append(qsl[-1] - 1)
-                sample_seqs.append(seq)
+            if start + n == len(tokens):   # [spec] a verifying sequence samples its last k + 1 rows
+                k = len(seq.spec_tokens)
+                sample_rows.extend(range(qsl[-1] - 1 - k, qsl[-1]))
+                sample_seqs.extend([seq] * (k + 1))
         width = max(len(t) for t in tables)
         block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
         for b, t in enumerate(tables):
@@ -134,12 +137,16 @@ class ModelRunner:
             if not seqs:
                 return []
             logits = self.model.logits(hidden[rows])
+        # [spec] verification rows go back unsampled (the engine's acceptance samples them one by one)
+        logits, seqs, verify = SpecDecoder.split_rows(logits, seqs)
+        if not seqs:
+            return verify
         if self.device_sampler is not None:
-            return list(zip(seqs, self.device_sampler(logits, seqs)))
+            return list(zip(seqs, self.device_sampler(logits, seqs))) + verify
         samples = self.sampler.greedy_on_device(logits, seqs) if logits.device.type != "cpu" else None
         if samples is None:
             samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
-        return list(zip(seqs, samples))
+        return list(zip(seqs, samples)) + verify
 
     def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta) -> torch.Tensor:
         """The model over a prepared step; with LoRA on, each row with its sequence's adapter."""
