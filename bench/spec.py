@@ -7,7 +7,8 @@ alternately (A B B A ...) on three workloads: batch 1 on a repeating workload (p
 repeats its context: with the demo's random weights, the loops greedy text falls into), batch 1 on random
 token-id prompts, and batch 16 on random prompts. Reported per workload: output tokens/s of each, their
 ratio (median over rounds), the acceptance (accepted / drafted tokens), the mean tokens per verification,
-and whether every request's ids were identical (they must be). --floor: the STREAM read of the same threads
+the engine steps each needed (steps off / on: what speculation saves whatever the host's load), and
+whether every request's ids were identical (they must be). --floor: the STREAM read of the same threads
 and the bytes per token, so the batch-1 figures can be set against the bandwidth floor. On a shared host
 only the same-minute ratios mean anything. Without --checkpoint a tiny A8W8 demo checkpoint is built.
 """
@@ -36,10 +37,11 @@ def build_engines(checkpoint: str, k: int, threads: int | None):
 
 def run_once(engine, prompts, tokens):
     params = engine.make_params({"temperature": 0, "max_tokens": tokens, "ignore_eos": True})
+    steps = engine.runner.steps
     t0 = time.perf_counter()
     res = engine.generate(prompts, params)
     dt = time.perf_counter() - t0
-    return [r["output_ids"] for r in res], sum(len(r["output_ids"]) for r in res) / dt
+    return [r["output_ids"] for r in res], sum(len(r["output_ids"]) for r in res) / dt, engine.runner.steps - steps
 
 
 def workload(name, off, on, prompts, tokens, rounds):
@@ -48,13 +50,15 @@ def workload(name, off, on, prompts, tokens, rounds):
     run_once(on, prompts, 8)
     before = on.stats
     tps_off, tps_on = [], []
+    steps = {True: 0, False: 0}
     for r in range(rounds):
         order = [(off, tps_off), (on, tps_on)] if r % 2 == 0 else [(on, tps_on), (off, tps_off)]
         ids = {}
         for eng, acc in order:
-            out, tps = run_once(eng, prompts, tokens)
+            out, tps, n = run_once(eng, prompts, tokens)
             acc.append(tps)
             ids[eng is on] = out
+            steps[eng is on] += n
         rows["identical"] &= ids[True] == ids[False]
         rows["ratios"].append(tps_on[-1] / tps_off[-1])
     s = on.stats
@@ -63,7 +67,8 @@ def workload(name, off, on, prompts, tokens, rounds):
     drafts = s.spec_num_drafts - before.spec_num_drafts
     rows.update(tps_off=statistics.median(tps_off), tps_on=statistics.median(tps_on),
                 ratio=statistics.median(rows["ratios"]), acceptance=accepted / drafted if drafted else 0.0,
-                tokens_per_verification=1 + accepted / drafts if drafts else 1.0, drafts=drafts)
+                tokens_per_verification=1 + accepted / drafts if drafts else 1.0, drafts=drafts,
+                step_ratio=steps[False] / steps[True])
     return rows
 
 
@@ -114,10 +119,11 @@ def main(argv=None) -> int:
         return 0
     print("shared host: only the same-minute ratios mean anything")
     print(f"{'workload':<14} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'accept':>7} "
-          f"{'tok/verif':>9} {'identical':>9}")
+          f"{'tok/verif':>9} {'steps off/on':>12} {'identical':>9}")
     for r in results:
         print(f"{r['workload']:<14} {r['batch']:>5} {r['tps_off']:>10.1f} {r['tps_on']:>10.1f} {r['ratio']:>6.2f} "
-              f"{r['acceptance']:>7.2f} {r['tokens_per_verification']:>9.2f} {str(r['identical']):>9}")
+              f"{r['acceptance']:>7.2f} {r['tokens_per_verification']:>9.2f} {r['step_ratio']:>12.2f} "
+              f"{str(r['identical']):>9}")
     if floor:
         print(f"STREAM {floor['stream_gbs']:.1f} GB/s, weights {floor['weight_mb']:.1f} MB/token: floor "
               f"{floor['floor_tps']:.1f} tokens/s at batch 1")

@@ -242,9 +242,9 @@ class LLMEngine:
         return out
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence):
-        """[spec] One verification row sampled as a decode step samples it (the same sampler, on the host)."""
+        """[spec] One verification row sampled as a decode step samples it (the runner's sampling path)."""
         try:
-            return self.runner.sampler(logits.float().cpu(), [seq])[0]
+            return self.runner.sample(logits, [seq])[0]
         except Exception as exc:   # as the runner's sampling faults: this request alone
             return SampleError(f"sampling failed ({exc})")
 

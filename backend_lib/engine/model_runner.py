@@ -141,12 +141,16 @@ class ModelRunner:
         logits, seqs, verify = SpecDecoder.split_rows(logits, seqs)
         if not seqs:
             return verify
+        return list(zip(seqs, self.sample(logits, seqs))) + verify
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample | SampleError]:
+        """A step's rows sampled where they are (the one sampling path of decode rows and verification rows)."""
         if self.device_sampler is not None:
-            return list(zip(seqs, self.device_sampler(logits, seqs))) + verify
+            return self.device_sampler(logits, seqs)
         samples = self.sampler.greedy_on_device(logits, seqs) if logits.device.type != "cpu" else None
         if samples is None:
             samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
-        return list(zip(seqs, samples)) + verify
+        return samples
 
     def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta) -> torch.Tensor:
         """The model over a prepared step; with LoRA on, each row with its sequence's adapter."""
