@@ -30,6 +30,7 @@ from ..contract.finish import FinishReason
 from ..sampling.params import SamplingParams, bad_words_token_ids
 from ..sampling.sampler import SampleError
 from ..sampling.structured import GrammarCompiler
+from ..spec.decoder import SpecDecoder, VerifyRows
 from ..tokenizer import Tokenizer
 from .messages import EngineStats, Request
 from .model_runner import ModelRunner
@@ -100,6 +101,8 @@ class LLMEngine:
                                        self.tokenizer.think_end_id)
         self._seqs: dict[str, Sequence] = {}
         self._offline_ids = itertools.count()
+        # [spec] speculative decoding (backend_lib/spec), when the model's speculative_config asks for it
+        self.spec = SpecDecoder(cfg.speculative, self.max_model_len) if cfg.speculative is not None else None
         self.stats = EngineStats(pages_total=self.block_manager.num_pages)
         trim_host_memory()
         log.info("engine ready in %.1fs: max_model_len %d, max_num_seqs %d, %d KV pages of %d", time.time() - t0,
@@ -191,6 +194,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.core_share is not None:
             self.core_share.before_step()
+        if self.spec is not None:   # [spec] drafts for the decoding sequences, granted by the scheduler
+            self.spec.propose(self.scheduler.running)
         plan = self.scheduler.next_step()
         if not plan:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -222,25 +227,40 @@ class LLMEngine:
         for seq, sample in result.samples:
             if seq.finish_reason is not None:   # failed above
                 continue
-            if isinstance(sample, SampleError):
-                log.warning("request %s failed in sampling: %s", seq.request_id, sample.message)
-                outputs.append(self._finish(seq, "error", sample.message))
+            if isinstance(sample, VerifyRows):   # [spec] the accepted run, one output per token, then the commit
+                outs, accepted = self.spec.verify(seq, sample, self._sample_one, self._process)
+                outputs.extend(outs)
+                if seq.finish_reason is None:
+                    self.spec.commit(seq, accepted, self.block_manager)
+                    self.scheduler.cache_full_pages(seq)
                 continue
-            try:
-                out = self.output.process(seq, sample)
-            except RequestError as exc:   # its grammar failed past admission: the error names the field
-                log.warning("request %s failed: %s", seq.request_id, exc)
-                outputs.append(self._finish(seq, "error", str(exc)))
-                continue
-            except Exception as exc:  # this request's text state broke: fail it alone
-                log.exception("output processing of request %s failed", seq.request_id)
-                outputs.append(self._finish(seq, "error", f"output processing failed: {exc}"))
-                continue
-            if out.finished:
-                self._release(seq)
-            outputs.append(out)
+            outputs.append(self._process(seq, sample))
         self.publish_stats(generation_tokens=sum(len(o.new_token_ids) for o in outputs))
         return outputs
+
+    def _process(self, seq: Sequence, sample) -> RequestOutput:
+        """One sampled token (or a SampleError) of seq through the output processor; a failure fails seq alone."""
+        if isinstance(sample, SampleError):
+            log.warning("request %s failed in sampling: %s", seq.request_id, sample.message)
+            return self._finish(seq, "error", sample.message)
+        try:
+            out = self.output.process(seq, sample)
+        except RequestError as exc:   # its grammar failed past admission: the error names the field
+            log.warning("request %s failed: %s", seq.request_id, exc)
+            return self._finish(seq, "error", str(exc))
+        except Exception as exc:  # this request's text state broke: fail it alone
+            log.exception("output processing of request %s failed", seq.request_id)
+            return self._finish(seq, "error", f"output processing failed: {exc}")
+        if out.finished:
+            self._release(seq)
+        return out
+
+    def _sample_one(self, logits: torch.Tensor, seq: Sequence):
+        """[spec] One verification row sampled as a decode step samples it (the runner's sampling path)."""
+        try:
+            return self.runner.sample(logits, [seq])[0]
+        except Exception as exc:   # as the runner's sampling faults: this request alone
+            return SampleError(f"sampling failed ({exc})")
 
     def idle(self) -> None:
         """Nothing left to compute (the engine thread is about to wait): the models sharing the cores may take
@@ -264,7 +284,8 @@ class LLMEngine:
         self.stats = replace(s, running=len(sched.running), waiting=len(sched.waiting), pages_used=bm.num_used,
                              pages_cached=bm.num_cached, num_preemptions=sched.num_preemptions,
                              prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits,
-                             **self._lora_stats(), **{k: getattr(s, k) + v for k, v in increments.items()})
+                             **self._lora_stats(), **(self.spec.stats() if self.spec is not None else {}),
+                             **{k: getattr(s, k) + v for k, v in increments.items()})
 
     def _lora_stats(self) -> dict:
         if self.lora is None:

@@ -13,6 +13,7 @@ from ..kv_cache import allocate_kv_cache
 from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
 from ..sampling.sampler import Sampler
+from ..spec.decoder import SpecDecoder
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 from .step import PromptLogprobs, StepPlan, StepResult
@@ -72,16 +73,18 @@ class ModelRunner:
         qsl, lens, tables, sample_rows, sample_seqs = [0], [], [], [], []
         for seq, n in plan:
             start = seq.num_computed
-            ids.extend(seq.tokens[start:start + n])
+            tokens = seq.tokens + seq.spec_tokens if seq.spec_tokens else seq.tokens   # [spec] drafts after them
+            ids.extend(tokens[start:start + n])
             positions.extend(range(start, start + n))
             bt = seq.block_table
             slots.extend(bt[p // S] * S + p % S for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
             tables.append(bt)
-            if start + n == seq.num_tokens:
-                sample_rows.append(qsl[-1] - 1)
-                sample_seqs.append(seq)
+            if start + n == len(tokens):   # [spec] a verifying sequence samples its last k + 1 rows
+                k = len(seq.spec_tokens)
+                sample_rows.extend(range(qsl[-1] - 1 - k, qsl[-1]))
+                sample_seqs.extend([seq] * (k + 1))
         width = max(len(t) for t in tables)
         block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
         for b, t in enumerate(tables):
@@ -146,8 +149,15 @@ class ModelRunner:
             if not seqs:
                 return result
             logits = self.model.logits(hidden[rows])
-        result.samples = list(zip(seqs, self.sampler(logits, seqs)))
+        # [spec] a verifying sequence's k + 1 rows go back unsampled, as (seq, VerifyRows) after the sampled rows
+        # (the engine's acceptance samples them one by one, through sample() below)
+        logits, seqs, verify = SpecDecoder.split_rows(logits, seqs)
+        result.samples = (list(zip(seqs, self.sample(logits, seqs))) if seqs else []) + verify
         return result
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """A step's rows sampled where they are (the one sampling path of decode rows and verification rows)."""
+        return self.sampler(logits, seqs)
 
     def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta) -> torch.Tensor:
         """The model over a prepared step; with LoRA on, each row with its sequence's adapter."""

@@ -24,6 +24,7 @@ from collections import deque
 from contextlib import contextmanager
 
 from ..kv_cache.block_manager import BlockManager
+from ..spec.decoder import SpecDecoder
 from .step import StepPlan
 from .sequence import Sequence, SequenceStatus
 
@@ -106,10 +107,13 @@ class Scheduler:
         preempted = False
         decodes = [s for s in self.running if s.num_pending == 1]
         prefills = [s for s in self.running if s.num_pending > 1]
-        for seq in decodes + prefills:
+        for i, seq in enumerate(decodes + prefills):
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
                 continue
             n = min(seq.num_pending, budget)
+            if seq.spec_tokens:   # [spec] a decode's drafts ride along where budget and pages spare them
+                later = max(0, len(decodes) - 1 - i)
+                n += SpecDecoder.grant(seq, n, budget - n - later, self.bm, later)
             while not self.bm.can_grow(seq.block_table, seq.num_computed + n):
                 victim = self._victim()
                 if victim in plan:
@@ -193,7 +197,7 @@ class Scheduler:
         if result is None:
             return
         for seq, n in plan.seqs:
-            seq.num_computed += n
+            seq.num_computed += n - len(seq.spec_tokens)   # [spec] drafts count once accepted (the engine commits)
             self.cache_full_pages(seq)
 
     @contextmanager

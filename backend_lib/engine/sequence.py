@@ -48,6 +48,8 @@ class Sequence:
         self.num_registered = 0                # pages of block_table recorded in the prefix cache
         self.tail_registered = False           # its prompt's partial last page recorded (for copies)
         self.lora = None                       # its LoRA adapter (backend_lib.lora), None for the base model
+        self.spec_tokens: list[int] = []       # [spec] this step's draft tokens (not yet emitted), backend_lib/spec
+        self.spec_state = None                 # [spec] its proposer index and acceptance (spec.decoder.SpecState)
 
     @property
     def num_tokens(self) -> int:
@@ -80,4 +82,5 @@ class Sequence:
         far will be prefilled again."""
         self.num_computed = 0
         self.num_registered = 0
+        self.spec_tokens = []                  # [spec]
         self.status = SequenceStatus.WAITING
