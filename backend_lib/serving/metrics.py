@@ -161,9 +161,6 @@ class EngineMetrics:
             "vllm:lora_requests_total", "Finished requests by LoRA adapter", M.COUNTER)
         self._lora_counts: dict[str, object] = {}
         self._configured_loras = frozenset(configured_loras)
-
-    def lora_label(self, name: str) -> str:
-        return name if name in self._configured_loras else OTHER_LORA
         self._spec = None
         if spec_positions is not None:   # vLLM's spec_decode counters (EngineStats.spec_*)
             per_pos = fam("vllm:spec_decode_num_accepted_tokens_per_pos_total",
@@ -178,6 +175,9 @@ class EngineMetrics:
                 "per_pos": [per_pos.Metric(labels={**labels, "position": str(i)}) for i in range(spec_positions)],
             }
             self._spec_published: dict[str, int] = {}
+
+    def lora_label(self, name: str) -> str:
+        return name if name in self._configured_loras else OTHER_LORA
 
     def _publish_spec(self, stats) -> None:
         """The engine's cumulative spec counters as counter increments since the last flush."""
