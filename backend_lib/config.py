@@ -48,6 +48,9 @@ class EngineConfig:
     # a lora_path is a folder inside one of them once every symlink is resolved; none: no lora_path is accepted
     lora_roots: str | tuple[str, ...] | None = None
     tensor_parallel_size: int = 1          # ranks the model is sharded over (backend_lib/parallel): rank 0 here
+    # speculative decoding (docs/speculative.md): vLLM's --speculative-config JSON, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    speculative_config: str | dict | None = None
     limits: SamplingLimits = field(default_factory=SamplingLimits)
 
     @classmethod
@@ -75,7 +78,7 @@ class EngineConfig:
             if key in kwargs:
                 kwargs[key] = _to_bool(key, kwargs[key])
         for key in ("tokenizer", "kernel_cache_dir", "fault_injection", "cpu_cores", "cpu_share", "lora_modules",
-                    "lora_roots"):
+                    "lora_roots", "speculative_config"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
@@ -100,6 +103,13 @@ class EngineConfig:
 
             self.lora_roots = parse_lora_roots(self.lora_roots, base_dir)
         return self
+
+    @property
+    def speculative(self):
+        """The validated speculative_config (backend_lib.spec.SpeculativeConfig), None when off."""
+        from .spec.config import parse_speculative_config
+
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def lora_enabled(self) -> bool:
@@ -151,6 +161,7 @@ class EngineConfig:
                 if on:
                     raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} with {name} is not "
                                      "supported yet (use tensor_parallel_size: 1)")
+        self.speculative   # noqa: B018 (parsing is the validation: errors name speculative_config.<key>)
         return self
 
     @classmethod

@@ -48,7 +48,8 @@ TRTLLM_INPUTS = ("text_input", "decoder_text_input", "image_input", "max_tokens"
                  "min_length", "presence_penalty", "frequency_penalty", "random_seed", "return_log_probs",
                  "return_context_logits", "return_generation_logits", "beam_width", "stream",
                  "prompt_embedding_table", "prompt_vocab_size", "embedding_bias_words", "embedding_bias_weights",
-                 "num_draft_tokens", "use_draft_logits", "exclude_input_in_output", "num_return_sequences",
+                 "num_draft_tokens", "use_draft_logits", "draft_input_ids", "draft_logits",
+                 "draft_acceptance_threshold", "exclude_input_in_output", "num_return_sequences",
                  "lora_task_id", "lora_weights", "lora_config", "guided_decoding_guide_type",
                  "guided_decoding_guide", "return_perf_metrics")
 

@@ -132,25 +132,23 @@ def _sampled_seqs(vocab):
 
 
 def test_a_sampled_decode_step_makes_one_device_to_host_copy(a8w8_ckpt):
-    """decode_logits, then the device sampler's pass over non-greedy rows (top-k/p, min-p, penalties, min_tokens,
-    a grammar mask, logprobs) on fake CUDA tensors: no host sync, and exactly one device-to-host copy (the packed
-    ids and logprobs). The host sampler over the same fake logits reads them on the host: the control."""
+    """decode_logits, then the sampling pipeline's sync-free form over non-greedy rows (top-k/p, min-p, penalties,
+    min_tokens, a grammar mask, logprobs) on fake CUDA tensors: no host sync, and exactly one device-to-host copy
+    (the packed ids and logprobs). The host form over the same fake logits reads them on the host: the control."""
     from backend_lib.sampling import Sampler
-    from backend_lib.sampling.device_sampler import TOP, DeviceSampler, StepRows
 
     runner, mode = _runner(a8w8_ckpt, TRITON, "bf16")
     vocab = runner.model.cfg.vocab_size
     seqs = _sampled_seqs(vocab)
-    host_rows, errors = DeviceSampler().rows(seqs, vocab)     # the host side: parameters, masks, the draws
-    assert host_rows.mask is not None and host_rows.seen.numel() and host_rows.blocked.numel()
-    rows = StepRows(**{k: (_fake_cuda(v, mode, set()) if isinstance(v, torch.Tensor) else v)
-                       for k, v in vars(host_rows).items()})
+    meta = Sampler().metadata(seqs, vocab)              # the host side: parameters, masks, the draws
+    assert meta.mask is not None and meta.rows[0].seen and meta.rows[1].blocked
+    meta.mask = _fake_cuda(meta.mask, mode, set())      # (the real one is copied to the device in the pass)
     logits = _decode(runner, mode)
     counter = _DeviceToHost()
     with mode, counter, torch.no_grad():
-        packed = DeviceSampler.on_device(logits, rows)
-    assert counter.copies == 1 and packed.device.type == "cpu"
-    assert tuple(packed.shape) == (3, TOP + 2 * 2) and packed.dtype == torch.float64
+        lists, packed = Sampler().device_pass(logits, meta, sync_free=True)
+    assert counter.copies == 1 and lists is None and packed.device.type == "cpu"
+    assert tuple(packed.shape) == (3, 6 + 2 * 2) and packed.dtype == torch.float64
     host_reads = (DataDependentOutputException, DynamicOutputShapeException)
     with mode, torch.no_grad(), pytest.raises(host_reads):   # copies B x vocab logits, reads them on the host
         Sampler()(logits.cpu(), seqs)

@@ -75,23 +75,30 @@ def test_min_p_keeps_tokens_within_a_fraction_of_the_top_probability():
     assert {s(logits, [FakeSeq(P(), seed=seed)])[0].token_id for seed in range(200)} > {0, 1}
 
 
-def test_greedy_on_device_equals_the_host_sampler_and_declines_what_it_cannot_do():
-    """The fast path for a step of plain greedy rows (only ids leave the device) gives __call__'s tokens; it
-    declines rows that need processing or logprobs, and non-finite logits (whose error __call__ words)."""
+def test_plain_greedy_rows_take_the_first_maximum_in_either_form():
+    """A step of plain greedy rows (the host form's shortcut; off the CPU only ids leave the device) gives the
+    full pipeline's tokens, ties to the first index as argmax on the host; rows that need processing or logprobs
+    beside them, and non-finite logits (whose error both forms word alike), too."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 100, generator=g)
     logits[2, 7] = logits[2].max() + 1
     logits[3, [3, 9]] = logits[3].max() + 1                  # a tie: the first index, as argmax on the host
     s = Sampler()
     plain = [FakeSeq(P(temperature=0)) for _ in range(4)]
-    fast = s.greedy_on_device(logits, plain)
-    assert [x.token_id for x in fast] == [x.token_id for x in s(logits, plain)] and fast[3].token_id == 3
+    fast = s(logits, plain)
+    full = s.sample(logits, s.metadata(plain, 100))          # the pipeline without the shortcut
+    dev = s(logits, plain, sync_free=True)
+    assert [x.token_id for x in fast] == [x.token_id for x in full] == [x.token_id for x in dev] == \
+        logits.argmax(dim=-1).tolist() and fast[3].token_id == 3
     for odd in (P(temperature=0.7), P(temperature=0, repetition_penalty=1.2), P(temperature=0, logprobs=2),
                 P(temperature=0, min_tokens=3)):
-        assert s.greedy_on_device(logits, plain[:3] + [FakeSeq(odd)]) is None
+        mixed = lambda: plain[:3] + [FakeSeq(odd)]  # noqa: E731
+        assert [x.token_id for x in s(logits, mixed())] == [x.token_id for x in s(logits, mixed(), sync_free=True)]
     bad = logits.clone()
     bad[1, 0] = float("nan")
-    assert s.greedy_on_device(bad, plain) is None
+    for out in (s(bad, plain), s(bad, plain, sync_free=True), s.sample(bad, s.metadata(plain, 100))):
+        assert out[1].message == "the model produced a non-finite logit (nan) for this request"
+        assert [x.token_id for i, x in enumerate(out) if i != 1] == [fast[i].token_id for i in (0, 2, 3)]
 
 
 def test_greedy_picks_and_nonfinite_rows_match_the_plain_torch_rules():

@@ -70,3 +70,34 @@ def test_a_preempted_request_drops_its_pending_copy():
     src = sched.page_copies[0][0]
     sched._preempt(second)
     assert not sched.page_copies and bm._ref[src] == 0
+
+
+def test_the_plan_carries_the_copy_and_update_unpins_advances_and_registers():
+    """schedule -> run -> update: next_step hands the page copy to the runner in the plan (its source pinned),
+    update unpins it, advances the sequences and records their full pages; a failed step (None) only unpins."""
+    from backend_lib.engine.scheduler import Scheduler
+    from backend_lib.engine.sequence import Sequence
+    from backend_lib.kv_cache.block_manager import BlockManager
+    from backend_lib.sampling.params import SamplingParams
+
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm, 4, 64)
+    first = Sequence("a", list(range(10)), SamplingParams(), 4, set())
+    first.cache_root = b"r" * 16
+    sched.add(first)
+    plan = sched.next_step()
+    assert plan.seqs == [(first, 10)] and plan.page_copies == []
+    sched.update(plan, object())
+    assert first.num_computed == 10 and first.num_registered == 2 and first.tail_registered
+    sched.remove(first)
+    for result in (None, object()):
+        second = Sequence("b", list(range(10)), SamplingParams(), 4, set())
+        second.cache_root = b"r" * 16
+        sched.add(second)
+        plan = sched.next_step()
+        assert plan.seqs == [(second, 1)] and len(plan.page_copies) == 1 and not sched.page_copies
+        src = plan.page_copies[0][0]
+        assert bm._ref[src] == 1                      # pinned while the runner copies it
+        sched.update(plan, result)
+        assert bm._ref[src] == 0 and second.num_computed == (9 if result is None else 10)   # 9: cached + copied
+        sched.remove(second)

@@ -213,6 +213,36 @@ def test_fuzzed_structured_outputs_fail_alone_with_a_request_error(engine, promp
         pass
 
 
+def test_fill_masks_gives_the_mask_after_each_draft_prefix_and_leaves_the_grammar_as_it_was(engine, prompt):
+    """Speculative verification's masks (GrammarState.fill_masks): position p's mask is the one the grammar gives
+    after accepting the first p draft tokens; the grammar is left where it was; past a draft token it does not
+    allow, positions are not masked (never sampled)."""
+    import torch
+
+    def grammar():
+        return engine.make_request("g", prompt, engine.make_params(
+            {"structured_outputs": {"regex": "(abc|abd)[0-9]{2}"}})).grammar
+    W = (engine.vocab_size + 31) // 32
+    draft = engine.tokenizer.encode("abd42")
+    g = grammar()
+    out = torch.zeros((len(draft) + 1, W), dtype=torch.int32)
+    assert g.fill_masks(draft, out) == [True] * (len(draft) + 1)
+    step, expect = grammar(), torch.zeros((len(draft) + 1, W), dtype=torch.int32)
+    for p in range(len(draft) + 1):
+        step.fill_mask(expect[p])
+        if p < len(draft):
+            step.accept(draft[p])
+    assert torch.equal(out, expect)
+    again = torch.zeros(W, dtype=torch.int32)
+    g.fill_mask(again)
+    assert torch.equal(again, expect[0])                     # the grammar left as it was
+    bad = [draft[0], engine.tokenizer.encode("z")[0], draft[-1]]
+    masked = g.fill_masks(bad, torch.zeros((4, W), dtype=torch.int32))
+    assert masked == [True, True, False, False]
+    g.fill_mask(again)
+    assert torch.equal(again, expect[0])
+
+
 def test_json_integers_are_bounded_to_16_digits_by_default_a_schemas_own_bounds_winning(engine):
     """llama.cpp's integral part `[1-9] [0-9]{0,15}`: an integer with no bound of its own takes at most 16 digits
     (a random model once wrote a 64-digit one); a schema's own bounds win; numbers keep exponents and -0."""

@@ -83,14 +83,14 @@ def test_the_runner_warms_up_then_sizes_the_pool_from_free_memory(bf16_ckpt, mon
         return real_forward(self, input_ids, positions, kv_cache, meta)
 
     monkeypatch.setattr(Qwen3ForCausalLM, "forward", forward)
-    real_sample = warmup.sample_batch
+    real_sample = warmup.sample
 
-    def sample(logits, rows):
-        steps.append(("sample", int(logits.shape[0]), rows.top_n))
+    def sample(logits, seqs):
+        steps.append(("sample", int(logits.shape[0]), max(s.params.logprobs for s in seqs)))
         mem.spike()
-        return real_sample(logits, rows)
+        return real_sample(logits, seqs)
 
-    monkeypatch.setattr(warmup, "sample_batch", sample)
+    monkeypatch.setattr(warmup, "sample", sample)
     real_alloc = model_runner.allocate_kv_cache
 
     def alloc(*a, nbytes=None, **kw):

@@ -30,6 +30,7 @@ from ..contract.finish import FinishReason
 from ..sampling.params import SamplingParams, bad_words_token_ids
 from ..sampling.sampler import SampleError
 from ..sampling.structured import GrammarCompiler
+from ..spec.decoder import SpecDecoder, VerifyRows
 from ..tokenizer import Tokenizer
 from .messages import EngineStats, Request
 from .model_runner import ModelRunner
@@ -100,6 +101,8 @@ class LLMEngine:
                                        self.tokenizer.think_end_id)
         self._seqs: dict[str, Sequence] = {}
         self._offline_ids = itertools.count()
+        # [spec] speculative decoding (backend_lib/spec), when the model's speculative_config asks for it
+        self.spec = SpecDecoder(cfg.speculative, self.max_model_len) if cfg.speculative is not None else None
         self.stats = EngineStats(pages_total=self.block_manager.num_pages)
         trim_host_memory()
         log.info("engine ready in %.1fs: max_model_len %d, max_num_seqs %d, %d KV pages of %d", time.time() - t0,
@@ -191,55 +194,73 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.core_share is not None:
             self.core_share.before_step()
-        plan = self.scheduler.schedule()
+        if self.spec is not None:   # [spec] drafts for the decoding sequences, granted by the scheduler
+            self.spec.propose(self.scheduler.running)
+        plan = self.scheduler.next_step()
         if not plan:
             if self.scheduler.waiting and not self.scheduler.running:
                 # Nothing fits even into an empty pool: cannot happen with a validated pool, but never spin.
                 return self.abort_all("error", "KV cache too small for the waiting request")
             return []
         try:
-            for src, dst in self.scheduler.take_page_copies():   # partial prompt pages taken by copy (scheduler)
-                self.runner.kv_cache.copy_page(src, dst)
-                self.block_manager.unpin(src)
-            results = self.runner.execute(plan)
+            result = self.runner.execute(plan)
         except Exception as exc:  # a fault in the forward: fail this step's requests, keep serving
+            self.scheduler.update(plan, None)
             self.publish_stats(num_failed_steps=1)
-            log.exception("engine step failed; failing %d request(s)", len(plan))
-            failed = [self._finish(seq, "error", f"engine step failed: {exc}") for seq, _ in plan]
+            log.exception("engine step failed; failing %d request(s)", len(plan.seqs))
+            failed = [self._finish(seq, "error", f"engine step failed: {exc}") for seq, _ in plan.seqs]
             if getattr(exc, "fatal", False):   # the engine cannot step again (a tensor-parallel rank is gone)
                 exc.outputs = failed
                 raise
             return failed
-        for seq, n in plan:
-            seq.num_computed += n
-            self.scheduler.cache_full_pages(seq)
+        self.scheduler.update(plan, result)
+        for seq, chunk in result.prompt_logprobs:
+            try:
+                self.output.record_prompt_logprobs(seq, chunk)
+            except Exception as exc:   # this request's prompt_logprobs broke: it fails alone
+                seq.failure = f"prompt_logprobs: recording them failed ({exc})"
         outputs = []
-        for seq, _ in plan:
+        for seq, _ in plan.seqs:
             if seq.failure is not None and seq.finish_reason is None:
                 log.warning("request %s failed: %s", seq.request_id, seq.failure)
                 outputs.append(self._finish(seq, "error", seq.failure))
-        for seq, sample in results:
+        for seq, sample in result.samples:
             if seq.finish_reason is not None:   # failed above
                 continue
-            if isinstance(sample, SampleError):
-                log.warning("request %s failed in sampling: %s", seq.request_id, sample.message)
-                outputs.append(self._finish(seq, "error", sample.message))
+            if isinstance(sample, VerifyRows):   # [spec] the accepted run, one output per token, then the commit
+                outs, accepted = self.spec.verify(seq, sample, self._sample_one, self._process)
+                outputs.extend(outs)
+                if seq.finish_reason is None:
+                    self.spec.commit(seq, accepted, self.block_manager)
+                    self.scheduler.cache_full_pages(seq)
                 continue
-            try:
-                out = self.output.process(seq, sample)
-            except RequestError as exc:   # its grammar failed past admission: the error names the field
-                log.warning("request %s failed: %s", seq.request_id, exc)
-                outputs.append(self._finish(seq, "error", str(exc)))
-                continue
-            except Exception as exc:  # this request's text state broke: fail it alone
-                log.exception("output processing of request %s failed", seq.request_id)
-                outputs.append(self._finish(seq, "error", f"output processing failed: {exc}"))
-                continue
-            if out.finished:
-                self._release(seq)
-            outputs.append(out)
+            outputs.append(self._process(seq, sample))
         self.publish_stats(generation_tokens=sum(len(o.new_token_ids) for o in outputs))
         return outputs
+
+    def _process(self, seq: Sequence, sample) -> RequestOutput:
+        """One sampled token (or a SampleError) of seq through the output processor; a failure fails seq alone."""
+        if isinstance(sample, SampleError):
+            log.warning("request %s failed in sampling: %s", seq.request_id, sample.message)
+            return self._finish(seq, "error", sample.message)
+        try:
+            out = self.output.process(seq, sample)
+        except RequestError as exc:   # its grammar failed past admission: the error names the field
+            log.warning("request %s failed: %s", seq.request_id, exc)
+            return self._finish(seq, "error", str(exc))
+        except Exception as exc:  # this request's text state broke: fail it alone
+            log.exception("output processing of request %s failed", seq.request_id)
+            return self._finish(seq, "error", f"output processing failed: {exc}")
+        if out.finished:
+            self._release(seq)
+        return out
+
+    def _sample_one(self, logits: torch.Tensor, seq: Sequence):
+        """[spec] One verification row sampled as a decode step samples it (the runner's sampling path)."""
+        try:
+            return self.runner.sample(logits, [seq])[0]
+        except Exception as exc:   # as the runner's sampling faults: this request alone
+            return SampleError(f"sampling failed ({exc})")
 
     def idle(self) -> None:
         """Nothing left to compute (the engine thread is about to wait): the models sharing the cores may take
@@ -263,7 +284,8 @@ class LLMEngine:
         self.stats = replace(s, running=len(sched.running), waiting=len(sched.waiting), pages_used=bm.num_used,
                              pages_cached=bm.num_cached, num_preemptions=sched.num_preemptions,
                              prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits,
-                             **self._lora_stats(), **{k: getattr(s, k) + v for k, v in increments.items()})
+                             **self._lora_stats(), **(self.spec.stats() if self.spec is not None else {}),
+                             **{k: getattr(s, k) + v for k, v in increments.items()})
 
     def _lora_stats(self) -> dict:
         if self.lora is None:
@@ -303,8 +325,5 @@ class LLMEngine:
             raise RequestError(f"ids: {len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
         seq = Sequence("score", token_ids, SamplingParams(), 1, set())
         seq.lora = self.lora_adapter(SamplingParams(lora_name=lora_name))
-        try:
-            self.block_manager.grow(seq.block_table, len(token_ids))
+        with self.scheduler.scratch_pages(seq, len(token_ids)):
             return self.runner.prompt_logprobs(seq, self.cfg.max_num_batched_tokens)
-        finally:
-            self.block_manager.free(seq.block_table)

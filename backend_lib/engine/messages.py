@@ -57,3 +57,9 @@ class EngineStats:
     generation_tokens: int = 0
     lora_running: tuple[str, ...] = ()   # LoRA adapters of the running requests (sorted names), when LoRA is on
     lora_waiting: tuple[str, ...] = ()   # and of the waiting ones
+    # [spec] speculative decoding (vLLM's spec_decode counters): verifications, drafted and accepted tokens,
+    # and accepted tokens per draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

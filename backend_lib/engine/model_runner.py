@@ -1,5 +1,7 @@
 """The device side of the engine: builds and owns the model, the KV cache and the sampler; turns a
-scheduled step into tensors, runs the model and samples the sequences that reached their end."""
+scheduled step (a StepPlan) into tensors, copies the pages the scheduler asked for, runs the model and samples
+the sequences that reached their end. It returns tensors and samples (a StepResult); the output processor turns
+them into what the API sends, the scheduler into the next step's state."""
 from __future__ import annotations
 
 import logging
@@ -10,10 +12,11 @@ from ..checkpoint import WeightStore
 from ..kv_cache import allocate_kv_cache
 from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
-from ..sampling.device_sampler import DeviceSampler
-from ..sampling.sampler import Sample, SampleError, Sampler
+from ..sampling.sampler import Sampler
+from ..spec.decoder import SpecDecoder
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
+from .step import PromptLogprobs, StepPlan, StepResult
 from .warmup import CudaMemory, kv_budget_after_warmup, warm_up
 
 log = logging.getLogger(__name__)
@@ -45,9 +48,8 @@ class ModelRunner:
             self.kv_cache = allocate_kv_cache(cfg.kv_cache, model_config, dtype, device, kernels,
                                               cfg.kv_cache_memory, cfg.page_size, max_model_len, cfg.max_num_seqs,
                                               nbytes=nbytes, seed=cfg.tq_seed)
+        # one pipeline wherever the logits are (off the CPU without a host sync: ids and logprobs travel back)
         self.sampler = Sampler()
-        # CUDA: the batched pass where the logits are (ids and logprobs travel, not B x vocab logits)
-        self.device_sampler = DeviceSampler(self.sampler) if device.type == "cuda" else None
         self.lora_ctx = None
         if cfg.lora_enabled:   # LoRA: the fused linears wrapped (backend_lib/lora/layer.py)
             from ..lora.layer import LoraContext, attach
@@ -71,16 +73,18 @@ class ModelRunner:
         qsl, lens, tables, sample_rows, sample_seqs = [0], [], [], [], []
         for seq, n in plan:
             start = seq.num_computed
-            ids.extend(seq.tokens[start:start + n])
+            tokens = seq.tokens + seq.spec_tokens if seq.spec_tokens else seq.tokens   # [spec] drafts after them
+            ids.extend(tokens[start:start + n])
             positions.extend(range(start, start + n))
             bt = seq.block_table
             slots.extend(bt[p // S] * S + p % S for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
             tables.append(bt)
-            if start + n == seq.num_tokens:
-                sample_rows.append(qsl[-1] - 1)
-                sample_seqs.append(seq)
+            if start + n == len(tokens):   # [spec] a verifying sequence samples its last k + 1 rows
+                k = len(seq.spec_tokens)
+                sample_rows.extend(range(qsl[-1] - 1 - k, qsl[-1]))
+                sample_seqs.extend([seq] * (k + 1))
         width = max(len(t) for t in tables)
         block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
         for b, t in enumerate(tables):
@@ -124,29 +128,36 @@ class ModelRunner:
         return self.model.logits(self.model(input_ids, positions, self.kv_cache, meta))
 
     @torch.inference_mode()
-    def execute(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sample | SampleError]]:
+    def execute(self, plan: StepPlan) -> StepResult:
         """Runs the step; a raise here is a fault of the whole forward. Sampling faults are per row."""
+        for src, dst in plan.page_copies:   # partial prompt pages taken by copy (the scheduler's decision)
+            self.kv_cache.copy_page(src, dst)
         self.steps += 1
         if self.fault_every and self.steps % self.fault_every == 0:
             raise InjectedFault(f"injected fault at step {self.steps} (fault_injection every:{self.fault_every})")
+        steps = plan.seqs
+        result = StepResult()
         # a step with LoRA rows runs eagerly (the graphs hold the base model's forward only)
-        if self.graphs is not None and self.is_decode(plan) and not any(seq.lora for seq, _ in plan) and \
-                self.graphs.fits(len(plan), max(len(seq.block_table) for seq, _ in plan)):
-            seqs = [seq for seq, _ in plan]
-            logits = self.graphs.run(*self.decode_inputs(plan))
+        if self.graphs is not None and self.is_decode(steps) and not any(seq.lora for seq, _ in steps) and \
+                self.graphs.fits(len(steps), max(len(seq.block_table) for seq, _ in steps)):
+            seqs = [seq for seq, _ in steps]
+            logits = self.graphs.run(*self.decode_inputs(steps))
         else:
-            input_ids, positions, meta, rows, seqs = self.prepare(plan)
-            hidden = self.forward(plan, input_ids, positions, meta)
-            self._record_prompt_logprobs(plan, hidden)
+            input_ids, positions, meta, rows, seqs = self.prepare(steps)
+            hidden = self.forward(steps, input_ids, positions, meta)
+            result.prompt_logprobs = self._prompt_logprobs(steps, hidden)
             if not seqs:
-                return []
+                return result
             logits = self.model.logits(hidden[rows])
-        if self.device_sampler is not None:
-            return list(zip(seqs, self.device_sampler(logits, seqs)))
-        samples = self.sampler.greedy_on_device(logits, seqs) if logits.device.type != "cpu" else None
-        if samples is None:
-            samples = self.sampler(logits.cpu() if logits.device.type != "cpu" else logits, seqs)
-        return list(zip(seqs, samples))
+        # [spec] a verifying sequence's k + 1 rows go back unsampled, as (seq, VerifyRows) after the sampled rows
+        # (the engine's acceptance samples them one by one, through sample() below)
+        logits, seqs, verify = SpecDecoder.split_rows(logits, seqs)
+        result.samples = (list(zip(seqs, self.sample(logits, seqs))) if seqs else []) + verify
+        return result
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """A step's rows sampled where they are (the one sampling path of decode rows and verification rows)."""
+        return self.sampler(logits, seqs)
 
     def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta) -> torch.Tensor:
         """The model over a prepared step; with LoRA on, each row with its sequence's adapter."""
@@ -157,10 +168,11 @@ class ModelRunner:
         with self.lora_ctx.use(LoraBatch.of([seq.lora for seq, n in plan for _ in range(n)], self.device)):
             return self.model(input_ids, positions, self.kv_cache, meta)
 
-    def _record_prompt_logprobs(self, plan: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
+    def _prompt_logprobs(self, plan: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[tuple[Sequence, PromptLogprobs]]:
         """prompt_logprobs from this step's forward (no second pass): the logits of every row of a
         sequence's prompt chunk, computed over the chunk's rows as LLMEngine.score computes them, so the
-        values are score's. A failure fails that request alone (seq.failure)."""
+        values are score's. A failure fails that request alone (its PromptLogprobs carries the error)."""
+        out = []
         off = 0
         for seq, n in plan:
             rows, off = slice(off, off + n), off + n
@@ -172,19 +184,19 @@ class ModelRunner:
                 continue
             try:
                 logp = torch.log_softmax(self.model.logits(hidden[rows]).float(), dim=-1).cpu()
-                top = torch.topk(logp, k, dim=-1) if k else None
-                for i in range(n):
-                    t = start + i + 1                   # the prompt token that row i predicts
-                    if t < done or t >= num_prompt:
-                        continue
-                    tok = seq.prompt_ids[t]
-                    lp = logp[i, tok]
-                    seq.prompt_logprobs.append({
-                        "id": tok, "logprob": lp.item(), "rank": int((logp[i] > lp).sum()) + 1,
-                        "top": [] if top is None else [{"id": j, "logprob": v} for j, v in
-                                                       zip(top.indices[i].tolist(), top.values[i].tolist())]})
+                # row i predicts prompt token start + i + 1; those from `done` on are new
+                lo, hi = max(done, start + 1) - start - 1, min(num_prompt, start + n + 1) - start - 1
+                picked = logp[lo:hi]
+                ids = seq.prompt_ids[start + lo + 1:start + hi + 1]
+                lp = picked.gather(1, torch.tensor(ids, dtype=torch.int64).unsqueeze(1))
+                chunk = PromptLogprobs(start + lo + 1, ids, lp.squeeze(1), (picked > lp).sum(dim=-1) + 1)
+                if k:
+                    top = torch.topk(logp, k, dim=-1)
+                    chunk.top_ids, chunk.top_logprobs = top.indices[lo:hi], top.values[lo:hi]
             except Exception as exc:
-                seq.failure = f"prompt_logprobs: computing them failed ({exc})"
+                chunk = PromptLogprobs(error=f"prompt_logprobs: computing them failed ({exc})")
+            out.append((seq, chunk))
+        return out
 
     @torch.inference_mode()
     def prompt_logprobs(self, seq: Sequence, chunk: int) -> tuple[list[float | None], list[int]]:

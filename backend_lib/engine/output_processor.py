@@ -31,6 +31,28 @@ class OutputProcessor:
     def add(self, seq: Sequence) -> None:
         self._text[seq.request_id] = _TextState(self.tokenizer.detokenizer(seq.params.skip_special_tokens),
                                                 StopMatcher(seq.params.stop))
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs:
+            # the first prompt token has no context (logprob None): its entry names the token
+            seq.prompt_logprobs.append({"id": seq.prompt_ids[0], "logprob": None, "rank": None, "top": []})
+
+    @staticmethod
+    def record_prompt_logprobs(seq: Sequence, chunk) -> None:
+        """A prompt chunk's prompt_logprobs (the runner's tensors, model_runner.PromptLogprobs) as the API's
+        {"id", "logprob", "rank", "top": [{"id", "logprob"}]} entries; a chunk that failed fails its request."""
+        if chunk.error is not None:
+            seq.failure = chunk.error
+            return
+        if chunk.first != len(seq.prompt_logprobs):   # the runner gives only the entries not recorded yet
+            seq.failure = (f"prompt_logprobs: a chunk from prompt token {chunk.first} after "
+                           f"{len(seq.prompt_logprobs)} recorded")
+            return
+        values, ranks = chunk.logprobs.tolist(), chunk.ranks.tolist()
+        ids = chunk.top_ids.tolist() if chunk.top_ids is not None else None
+        vals = chunk.top_logprobs.tolist() if chunk.top_logprobs is not None else None
+        for i, tok in enumerate(chunk.token_ids):
+            seq.prompt_logprobs.append({
+                "id": tok, "logprob": values[i], "rank": int(ranks[i]),
+                "top": [] if ids is None else [{"id": j, "logprob": v} for j, v in zip(ids[i], vals[i])]})
 
     def process(self, seq: Sequence, sample: Sample) -> RequestOutput:
         """Appends the sampled token; the output says whether (and why) the request finished."""

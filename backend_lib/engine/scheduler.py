@@ -6,17 +6,26 @@ others. With prefix caching, an admitted request first takes the cached pages th
 run of its full pages (at least its last token is computed, for its logits), and every page that
 becomes full is recorded in the cache; a request whose next full page a running prefill is computing
 waits for it (one prefill for n choices or concurrent requests of one prompt). A prompt's partial last
-page is recorded too: a request with that whole prompt gets a copy of it (`page_copies`, done by the
-engine before the step's forward) and computes its last token only, so n choices cost one prefill. When the page pool runs
+page is recorded too: a request with that whole prompt gets a copy of it (`page_copies`, handed to the
+runner in the step's plan and done before its forward; the source stays pinned until `update`) and computes its
+last token only, so n choices cost one prefill. When the page pool runs
 dry the newest running sequence (with scheduling_policy priority: the lowest-priority one) is preempted
 (its pages freed, recomputed later from its prompt and the tokens it already produced); nothing is ever
 dropped.
+
+The engine's step is `plan = next_step()`, `result = runner.execute(plan)`, `update(plan, result)`: the scheduler
+owns the plan's page copies and pins, and after the step advances the sequences and records the pages that became
+full in the prefix cache.
 """
 from __future__ import annotations
 
 from collections import deque
 
+from contextlib import contextmanager
+
 from ..kv_cache.block_manager import BlockManager
+from ..spec.decoder import SpecDecoder
+from .step import StepPlan
 from .sequence import Sequence, SequenceStatus
 
 
@@ -98,10 +107,13 @@ class Scheduler:
         preempted = False
         decodes = [s for s in self.running if s.num_pending == 1]
         prefills = [s for s in self.running if s.num_pending > 1]
-        for seq in decodes + prefills:
+        for i, seq in enumerate(decodes + prefills):
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
                 continue
             n = min(seq.num_pending, budget)
+            if seq.spec_tokens:   # [spec] a decode's drafts ride along where budget and pages spare them
+                later = max(0, len(decodes) - 1 - i)
+                n += SpecDecoder.grant(seq, n, budget - n - later, self.bm, later)
             while not self.bm.can_grow(seq.block_table, seq.num_computed + n):
                 victim = self._victim()
                 if victim in plan:
@@ -167,9 +179,35 @@ class Scheduler:
         return self.bm.match_tail(seq.tail_page_hash(ps))
 
     def take_page_copies(self) -> list[tuple[int, int]]:
-        """The copies this step's admissions need (source, destination); the engine copies, then unpins."""
+        """The copies this step's admissions need (source, destination); their sources stay pinned until
+        `update` (the runner copies them before the step's forward)."""
         copies, self.page_copies = self.page_copies, []
         return copies
+
+    def next_step(self) -> StepPlan:
+        """The next step's plan: what each sequence computes and the page copies to do before it."""
+        seqs = self.schedule()
+        return StepPlan(seqs, self.take_page_copies())
+
+    def update(self, plan: StepPlan, result) -> None:
+        """After the step (result None: its forward failed): the copies' sources unpinned; the sequences
+        advanced past what they computed and their newly full pages recorded in the prefix cache."""
+        for src, _ in plan.page_copies:
+            self.bm.unpin(src)
+        if result is None:
+            return
+        for seq, n in plan.seqs:
+            seq.num_computed += n - len(seq.spec_tokens)   # [spec] drafts count once accepted (the engine commits)
+            self.cache_full_pages(seq)
+
+    @contextmanager
+    def scratch_pages(self, seq: Sequence, num_tokens: int):
+        """Pages for `num_tokens` of a sequence outside the running batch (scoring), freed on exit."""
+        try:
+            self.bm.grow(seq.block_table, num_tokens)
+            yield seq
+        finally:
+            self.bm.free(seq.block_table)
 
     def _follows_a_prefill(self, seq: Sequence) -> bool:
         """Whether seq's next uncached full page is one that a running prefill is computing now (the same

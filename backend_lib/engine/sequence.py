@@ -37,10 +37,9 @@ class Sequence:
         self.grammar = grammar                 # structured output: a GrammarState, or None
         self.finish_reason: str | None = None
         self.failure: str | None = None        # a per-request fault found outside sampling (fails it alone)
-        # prompt_logprobs: one entry per prompt token, filled during the prefill; the first has no context
-        # (logprob None) and is there to name the token
-        self.prompt_logprobs: list[dict] = [] if params.prompt_logprobs is None else [
-            {"id": self.prompt_ids[0], "logprob": None, "rank": None, "top": []}]
+        # prompt_logprobs: one entry per prompt token, filled during the prefill (by OutputProcessor, which
+        # builds the entries; the first has no context and names the token)
+        self.prompt_logprobs: list[dict] = []
         self.prompt_logprobs_sent = False
         self.arrival = 0                       # admission order (the scheduler's tie-break)
         self.num_cached_tokens: int | None = None   # prompt tokens served from the prefix cache (admission)
@@ -49,6 +48,8 @@ class Sequence:
         self.num_registered = 0                # pages of block_table recorded in the prefix cache
         self.tail_registered = False           # its prompt's partial last page recorded (for copies)
         self.lora = None                       # its LoRA adapter (backend_lib.lora), None for the base model
+        self.spec_tokens: list[int] = []       # [spec] this step's draft tokens (not yet emitted), backend_lib/spec
+        self.spec_state = None                 # [spec] its proposer index and acceptance (spec.decoder.SpecState)
 
     @property
     def num_tokens(self) -> int:
@@ -81,4 +82,5 @@ class Sequence:
         far will be prefilled again."""
         self.num_computed = 0
         self.num_registered = 0
+        self.spec_tokens = []                  # [spec]
         self.status = SequenceStatus.WAITING

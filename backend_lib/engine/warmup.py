@@ -1,5 +1,5 @@
 """Warm-up before the KV pool is sized: with the model loaded, one prefill step of max_num_batched_tokens tokens and
-one decode step of max_num_seqs rows (and the device sampler over them) run against a throw-away cache of the
+one decode step of max_num_seqs rows (and the sampler over them) run against a throw-away cache of the
 few pages they need, so that the pool is sized from what is free once the weights, the kernels' first launches
 (Triton compiles them there) and the widest steps' activations have taken their share, not from what was free
 before any of it.
@@ -16,9 +16,9 @@ import torch
 from ..kv_cache.base import cache_class
 from ..kv_cache.metadata import AttentionMetadata
 from ..kv_cache.pool import parse_memory_budget
-from ..sampling.device_sampler import DeviceSampler, sample_batch
 from ..contract.fields import SamplingLimits
 from ..sampling.params import SamplingParams
+from ..sampling.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,11 @@ class _WarmSeq:
         self.grammar = None
 
 
+def sample(logits: torch.Tensor, seqs: list) -> list:
+    """The sampler's pass over the warm-up step's logits (as serving runs it: off the CPU without a host sync)."""
+    return Sampler()(logits, seqs)
+
+
 def warm_up(runner, cfg, model_config, dtype: torch.dtype, kernels, max_model_len: int, memory) -> int:
     """Runs the widest prefill and decode steps; returns their activation bytes (see kv_budget_after_warmup)."""
     S, dev, model = cfg.page_size, runner.device, runner.model
@@ -98,9 +103,7 @@ def warm_up(runner, cfg, model_config, dtype: torch.dtype, kernels, max_model_le
         cached = torch.ones(B, dtype=torch.int32, device=dev)
         meta, positions = AttentionMetadata.for_decode(tables, cached, S)
         logits = model.logits(model(torch.zeros(B, dtype=torch.int64, device=dev), positions, cache, meta))
-        seqs = [_WarmSeq(logits.shape[-1], cfg.limits) for _ in range(B)]
-        rows, _ = DeviceSampler().rows(seqs, logits.shape[-1])
-        sample_batch(logits, rows.to(dev)).cpu()
+        sample(logits, [_WarmSeq(logits.shape[-1], cfg.limits) for _ in range(B)])
         del logits
     peak = memory.peak()
     del cache

@@ -8,6 +8,10 @@ from ..contract.fields import (NEUTRAL_KEYS, RANGES, SamplingLimits, check_logit
                                check_number)
 from ..contract.structured import STRUCTURED_KEYS, StructuredSpec, spec_from_sampling
 
+# The per-request speculative decoding switch (backend_lib/spec): auto (as the model's speculative_config says,
+# auto-disabled when acceptance stays low) or off
+SPECULATIVE_VALUES = ("auto", "off")
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by a tiny
 # temperature only overflows, and the limit of the distribution is the argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -41,6 +45,7 @@ class SamplingParams:
     structured_outputs: StructuredSpec | None = None   # parsed from structured_outputs / guided_* keys
     lora_name: str | None = None           # the LoRA adapter to run with (docs/lora.md); None: the base model
     lora_path: str | None = None           # with allow_runtime_lora: where lora_name is loaded from on first use
+    speculative: str = "auto"              # speculative decoding (docs/speculative.md): auto | off (this request never)
 
     @classmethod
     def names(cls) -> set[str]:
@@ -106,6 +111,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or len(value) > 4096):
                 raise RequestError(f"{name} must be a non-empty string of at most 4096 characters, got {value!r}")
+        if self.speculative not in SPECULATIVE_VALUES:
+            raise RequestError(f"speculative must be one of {', '.join(SPECULATIVE_VALUES)}, got "
+                               f"{str(self.speculative)[:64]!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise RequestError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
         return self

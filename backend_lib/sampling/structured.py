@@ -80,6 +80,34 @@ class GrammarState:
         if self.matcher.is_error():
             raise RequestError(f"{self.field}: the grammar failed ({_first_error_line(self.matcher)})")
 
+    def fill_masks(self, draft: list[int], out: torch.Tensor) -> list[bool]:
+        """Speculative verification: into out[p] the mask after the first p draft tokens (p = 0 .. len(draft)),
+        the grammar left as it was. A position past a draft token the grammar does not allow is never reached (the
+        draft is rejected there): it is not masked. Returns, per position, whether the grammar masks it (not
+        while it waits for the think block's end)."""
+        wait_for, consumed, masked = self.wait_for, 0, []
+        try:
+            for p in range(len(draft) + 1):
+                masked.append(self.active)
+                if self.active:
+                    self.fill_mask(out[p])
+                if p == len(draft):
+                    break
+                tok = draft[p]
+                if self.wait_for is not None:
+                    if tok == self.wait_for:
+                        self.wait_for = None
+                elif self.matcher.validate_tokens([tok]) == 1 and self.matcher.consume_token(tok):
+                    consumed += 1
+                else:               # the draft is rejected here: the positions after it are never sampled
+                    masked.extend([False] * (len(draft) - p))
+                    break
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+            self.wait_for = wait_for
+        return masked
+
     def accept(self, token_id: int) -> bool:
         """Advances past a sampled token; True once the grammar is complete (nothing more may follow)."""
         if self.wait_for is not None:

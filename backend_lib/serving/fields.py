@@ -53,6 +53,8 @@ SAMPLING_DOCS: dict[str, str] = {
     "priority": "with the model parameter `scheduling_policy: priority`: lower first, preempts higher values",
     "lora_name": "the LoRA adapter to run with (docs/lora.md)",
     "lora_path": "with `allow_runtime_lora`: where `lora_name` is loaded from on first use",
+    "speculative": "with the model parameter `speculative_config`: `auto` (default; drafts verified exactly, the "
+                   "output unchanged, paused while this request's acceptance stays low) or `off` (docs/speculative.md)",
     "structured_outputs": "vLLM's StructuredOutputsParams: one of json, regex, choice, grammar, json_object, "
                           "or this project's tool_calls; options disable_any_whitespace, whitespace_pattern "
                           "(JSON whitespace is bounded by default: docs/structured.md)",
@@ -104,8 +106,13 @@ TENSOR_REFUSED: dict[str, str] = {
     "prompt_vocab_size": "prompt tuning is not implemented",
     "embedding_bias_words": "use logit_bias (token ids) in sampling_parameters",
     "embedding_bias_weights": "use logit_bias (token ids) in sampling_parameters",
-    "num_draft_tokens": "speculative decoding is not implemented",
-    "use_draft_logits": "speculative decoding is not implemented",
+    "draft_input_ids": "draft tokens are not taken from clients: speculation is the model's own "
+                       "(speculative_config, n-gram drafts verified exactly; docs/speculative.md)",
+    "draft_logits": "as draft_input_ids (client drafts are not taken)",
+    "draft_acceptance_threshold": "as draft_input_ids; acceptance here is exact (a draft is kept iff it is the "
+                                  "target's own token)",
+    "num_draft_tokens": "as draft_input_ids (the model's speculative_config sets num_speculative_tokens)",
+    "use_draft_logits": "as draft_input_ids (client drafts are not taken)",
     "lora_task_id": "TensorRT-LLM's LoRA cache; use lora_name (docs/lora.md)",
     "lora_weights": "TensorRT-LLM's LoRA cache; use lora_name (docs/lora.md)",
     "lora_config": "TensorRT-LLM's LoRA cache; use lora_name (docs/lora.md)",

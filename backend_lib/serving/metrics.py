@@ -7,7 +7,10 @@ of a request, as vllm_backend observes it), vllm:e2e_request_latency_seconds,
 vllm:request_prompt_tokens, vllm:request_generation_tokens and vllm:request_params_n; plus vLLM's
 scheduler gauges (vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc), its
 vllm:inter_token_latency_seconds, vllm:request_success_total{finished_reason} (every reason listed
-from the start: stop, length, abort, cancelled, error) and the prefix-cache counters.
+from the start: stop, length, abort, cancelled, error) and the prefix-cache counters; with speculative
+decoding on, vLLM's spec_decode counters (vllm:spec_decode_num_drafts_total, _num_draft_tokens_total,
+_num_accepted_tokens_total and _num_accepted_tokens_per_pos_total{position}: the names under which vLLM's
+Prometheus exposition shows its vllm:spec_decode_num_* counters).
 
 Every metric update is a call into the server process. None is made on a request's path: the
 threads that serve requests only record into a MetricsBuffer (a lock and a list append), and one
@@ -98,10 +101,12 @@ class MetricsBuffer:
 
 class EngineMetrics:
     def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int, max_loras: int | None = None,
-                 configured_loras=frozenset()):
+                 configured_loras=frozenset(), spec_positions: int | None = None):
         """max_loras: LoRA on (vllm:lora_requests_info is published); None: off. configured_loras: the adapter
         names of the configuration, the only ones that become label values: a name registered at run time (any
-        client's string) is counted as OTHER_LORA, so the series stay bounded however many names clients send."""
+        client's string) is counted as OTHER_LORA, so the series stay bounded however many names clients send.
+        spec_positions: speculative decoding on with that num_speculative_tokens (the spec_decode counters are
+        published); None: off."""
         M = pb_utils.MetricFamily
         self._families = []  # a MetricFamily must outlive its Metric objects
 
@@ -156,9 +161,37 @@ class EngineMetrics:
             "vllm:lora_requests_total", "Finished requests by LoRA adapter", M.COUNTER)
         self._lora_counts: dict[str, object] = {}
         self._configured_loras = frozenset(configured_loras)
+        self._spec = None
+        if spec_positions is not None:   # vLLM's spec_decode counters (EngineStats.spec_*)
+            per_pos = fam("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                          "Accepted tokens per draft position", M.COUNTER)
+            self._spec = {
+                "spec_num_drafts": fam("vllm:spec_decode_num_drafts_total", "Verifications with drafts",
+                                       M.COUNTER).Metric(labels=labels),
+                "spec_num_draft_tokens": fam("vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified",
+                                             M.COUNTER).Metric(labels=labels),
+                "spec_num_accepted_tokens": fam("vllm:spec_decode_num_accepted_tokens_total",
+                                                "Draft tokens accepted", M.COUNTER).Metric(labels=labels),
+                "per_pos": [per_pos.Metric(labels={**labels, "position": str(i)}) for i in range(spec_positions)],
+            }
+            self._spec_published: dict[str, int] = {}
 
     def lora_label(self, name: str) -> str:
         return name if name in self._configured_loras else OTHER_LORA
+
+    def _publish_spec(self, stats) -> None:
+        """The engine's cumulative spec counters as counter increments since the last flush."""
+        done = self._spec_published
+        for key in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+            value = getattr(stats, key, 0)
+            if value > done.get(key, 0):
+                self._spec[key].increment(value - done.get(key, 0))
+                done[key] = value
+        for i, value in enumerate(getattr(stats, "spec_accepted_per_pos", ())[:len(self._spec["per_pos"])]):
+            key = f"pos{i}"
+            if value > done.get(key, 0):
+                self._spec["per_pos"][i].increment(value - done.get(key, 0))
+                done[key] = value
 
     def _finished(self, req: FinishedRequest) -> None:
         metric = self._by_reason.get(req.reason)
@@ -203,6 +236,8 @@ class EngineMetrics:
         if stats.prefix_cache_hits > self._published_hits:
             self.prefix_hits.increment(stats.prefix_cache_hits - self._published_hits)
             self._published_hits = stats.prefix_cache_hits
+        if self._spec is not None:
+            self._publish_spec(stats)
         if self._lora_info is not None:
             key = tuple(tuple(sorted({self.lora_label(n) for n in names})) for names in (stats.lora_running,
                                                                                          stats.lora_waiting))

@@ -89,7 +89,9 @@ class TritonLLMModel:
         self.publisher = MetricsPublisher(
             EngineMetrics(pb_utils, {"model": self.name, "version": args.get("model_version", "1")},
                           self.engine.max_model_len, cfg.max_loras if self.engine.lora is not None else None,
-                          self.engine.lora.configured if self.engine.lora is not None else ()),
+                          self.engine.lora.configured if self.engine.lora is not None else (),
+                          # [spec] the spec_decode counters, when speculative decoding is on
+                          self.engine.spec.cfg.num_speculative_tokens if self.engine.spec is not None else None),
             self.metrics,
             lambda: self.loop.stats, name=f"{self.name}-metrics")
         self._queue: queue.Queue = queue.Queue()

@@ -1,0 +1,102 @@
+"""`speculative_config`: the model parameter that turns speculative decoding on, with vLLM's
+--speculative-config keys, validated once at load with errors naming the key.
+
+    parameters: { key: "speculative_config"
+                  value: { string_value: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' } }
+
+Only the n-gram (prompt lookup) proposer is implemented; the other methods vLLM knows (a draft `model`,
+eagle / eagle3, medusa, mtp, suffix) are refused by name. Our own keys, beside vLLM's: min_acceptance and
+acceptance_window (the per-request auto-disable) and vLLM's disable_by_batch_size.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+# vLLM methods that exist there but not here: refused with their name
+NOT_IMPLEMENTED = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix",
+                   "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # per-request auto-disable: over each window of `acceptance_window` drafted tokens, an acceptance rate
+    # below `min_acceptance` pauses that request's speculation (for 2x longer each time it happens again)
+    min_acceptance: float = 0.25
+    acceptance_window: int = 16
+    disable_by_batch_size: int | None = None   # vLLM's: no drafts in a step with this many running requests
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+KEYS = tuple(SpeculativeConfig.__dataclass_fields__)
+
+
+def _int(key: str, value, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"speculative_config.{key}: must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"speculative_config.{key}: must be in [{lo}, {hi if hi is not None else 'inf'}], "
+                         f"got {value}")
+    return value
+
+
+def parse_speculative_config(value) -> SpeculativeConfig | None:
+    """None / '' / 'null' / '{}'-less-off: None (speculation off). A JSON object string or a dict: validated."""
+    if value is None or (isinstance(value, str) and value.strip() in ("", "null", "none", "off")):
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config: not a JSON object ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
+    for key in value:
+        if key not in KEYS and key != "model":
+            raise ValueError(f"speculative_config.{key}: unknown key (known: {', '.join(KEYS + ('model',))})")
+    if value.get("model") is not None:
+        raise ValueError("speculative_config.model: a draft model is not implemented (method ngram needs none)")
+    method = value.get("method", "ngram")
+    if method in ("[ngram]", "ngram"):
+        method = "ngram"
+    elif method in NOT_IMPLEMENTED:
+        raise ValueError(f"speculative_config.method: {method!r} is not implemented (implemented: "
+                         f"{', '.join(METHODS)})")
+    else:
+        raise ValueError(f"speculative_config.method: {method!r} is not a known method (implemented: "
+                         f"{', '.join(METHODS)})")
+    if "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config.num_speculative_tokens: required (1 to "
+                         f"{MAX_SPECULATIVE_TOKENS})")
+    k = _int("num_speculative_tokens", value["num_speculative_tokens"], 1, MAX_SPECULATIVE_TOKENS)
+    hi = value.get("prompt_lookup_max")
+    lo = value.get("prompt_lookup_min")
+    # vLLM: either one given sets the other (min defaults to max and max to min); neither: 2..4 here
+    if hi is None and lo is None:
+        lo, hi = 2, 4
+    elif hi is None:
+        hi = lo
+    elif lo is None:
+        lo = hi
+    hi = _int("prompt_lookup_max", hi, 1, 64)
+    lo = _int("prompt_lookup_min", lo, 1, 64)
+    if lo > hi:
+        raise ValueError(f"speculative_config.prompt_lookup_min: {lo} exceeds prompt_lookup_max {hi}")
+    rate = value.get("min_acceptance", SpeculativeConfig.min_acceptance)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"speculative_config.min_acceptance: a number in [0, 1], got {rate!r}")
+    window = _int("acceptance_window", value.get("acceptance_window", SpeculativeConfig.acceptance_window), 1, 4096)
+    by_batch = value.get("disable_by_batch_size")
+    if by_batch is not None:
+        by_batch = _int("disable_by_batch_size", by_batch, 1)
+    return SpeculativeConfig("ngram", k, lo, hi, float(rate), window, by_batch)

@@ -1,0 +1,186 @@
+"""Speculative decoding whose output is the output of plain decoding, token for token.
+
+Why it can be exact here: the kernels are batch invariant (backend_lib/kernels/contract.py), so the logits
+of a row depend on that row and its context only. Verifying k drafts is therefore just scheduling the
+sequence with k + 1 new tokens (its last sampled token and the drafts) through the chunked-prefill path
+and taking the logits of all k + 1 rows: row i holds the bits that the (i + 1)-th of k + 1 plain decode
+steps would compute, as long as drafts 0..i-1 were the tokens those steps emitted.
+
+The acceptance rule (`verify`) then walks the rows in order and, at row i, samples the target's token
+exactly as plain decoding does at that point: the same sampler call on the same logits, with the request's
+state after the tokens emitted so far (penalties, min_tokens, bad words and the grammar see them; the
+seeded generator has made one draw per emitted token). Each token goes through the output processor at
+once (stop ids, stop strings, max_tokens, the grammar advancing), so a request ends exactly where plain
+decoding ends it, never a token later. Draft i is accepted iff it equals the sampled token; the first
+mismatch emits the target's token and ends the run (no more draws: the generator advanced once per
+emitted token, as in plain decoding).
+
+Rollback: only the accepted prefix is committed (`num_computed`); the KV slots of the rejected positions
+lie past it and are overwritten when those positions are computed again (attention reads a sequence's
+first num_computed positions only, dense and TurboQuant caches alike), pages that hold only rejected
+positions go back to the pool, and the prefix cache only ever registers pages of committed tokens.
+
+Per-request auto-disable: over each window of drafted tokens, an acceptance below min_acceptance pauses
+that request's drafts (32 output tokens, doubling each time it happens again, up to 1024), so a request
+whose text does not repeat itself costs (almost) nothing; `speculative: "off"` in a request opts out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling.params import SPECULATIVE_VALUES  # noqa: F401 (the per-request field `speculative`)
+from .config import SpeculativeConfig
+from .ngram import NgramIndex, NgramProposer
+
+PAUSE_MIN, PAUSE_MAX = 32, 1024
+
+
+@dataclass
+class SpecState:
+    """One request's speculation state (on Sequence.spec_state)."""
+    index: NgramIndex
+    window_drafted: int = 0
+    window_accepted: int = 0
+    paused_until: int = 0          # no drafts before the request has this many output tokens
+    pause: int = PAUSE_MIN
+    num_drafts: int = 0            # verifications with at least one draft (this request's)
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+
+
+@dataclass
+class SpecCounters:
+    """Totals over the engine's life (vLLM's spec_decode metrics)."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+@dataclass
+class VerifyRows:
+    """A verification row group of one sequence: fp32 logits [k + 1, vocab] for its last token + k drafts."""
+    logits: torch.Tensor
+
+
+class SpecDecoder:
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int):
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.counters = SpecCounters(accepted_per_pos=[0] * cfg.num_speculative_tokens)
+
+    # ----- before the schedule: drafts ----------------------------------------------------------------
+    def state(self, seq) -> SpecState:
+        if seq.spec_state is None:
+            seq.spec_state = SpecState(self.proposer.new_index())
+        return seq.spec_state
+
+    def propose(self, running) -> None:
+        """Sets seq.spec_tokens (possibly []) for every running sequence: drafts for those that decode."""
+        off = self.cfg.disable_by_batch_size is not None and len(running) >= self.cfg.disable_by_batch_size
+        for seq in running:
+            seq.spec_tokens = []
+            if off or seq.num_pending != 1 or seq.failure is not None or seq.params.speculative == "off":
+                continue
+            st = self.state(seq)
+            n_out = len(seq.output_ids)
+            if n_out < st.paused_until:
+                continue
+            # never more positions than plain decoding would compute: k + 1 tokens emitted at most
+            room = min(self.cfg.num_speculative_tokens, seq.max_tokens - n_out - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                seq.spec_tokens = self.proposer.propose(seq.tokens, st.index, room)
+
+    @staticmethod
+    def grant(seq, n: int, spare_tokens: int, bm, reserve_pages: int) -> int:
+        """In the scheduler, for a decode planned with n tokens: how many of its drafts ride along (trimmed in
+        place) within the step's spare token budget and the free pages beyond `reserve_pages` (what the
+        decodes still to be planned may need): drafts never cost another request its step or its pages."""
+        k = max(0, min(len(seq.spec_tokens), spare_tokens))
+        while k and bm.extra_pages(seq.block_table, seq.num_computed + n + k) > bm.num_free - reserve_pages:
+            k -= 1
+        del seq.spec_tokens[k:]
+        return k
+
+    # ----- in the runner: the step's logits rows ----------------------------------------------------------
+    @staticmethod
+    def split_rows(logits: torch.Tensor, seqs: list):
+        """Rows of sampled sequences in step order, a verifying sequence's k + 1 rows consecutive: the plain
+        rows (logits, seqs) for the sampler, and [(seq, VerifyRows)] for the verification."""
+        if not any(s.spec_tokens for s in seqs):
+            return logits, seqs, []
+        keep, plain, verify, i = [], [], [], 0
+        while i < len(seqs):
+            s = seqs[i]
+            if s.spec_tokens:
+                m = len(s.spec_tokens) + 1
+                verify.append((s, VerifyRows(logits[i:i + m])))
+                i += m
+            else:
+                keep.append(i)
+                plain.append(s)
+                i += 1
+        return logits[keep], plain, verify
+
+    # ----- after the forward: acceptance ------------------------------------------------------------------
+    def verify(self, seq, rows: VerifyRows, sample, process) -> tuple[list, int]:
+        """Walks the k + 1 rows: sample(logits [1, V], seq) -> Sample | SampleError as plain decoding samples
+        that row; process(seq, sample) -> RequestOutput emits it (appending, stop checks; it finishes the
+        request on an error). Returns the outputs (one per emitted token, in order) and the accepted drafts."""
+        drafts = list(seq.spec_tokens)
+        k = len(drafts)
+        logits = rows.logits
+        outputs, accepted = [], 0
+        for i in range(k + 1):
+            s = sample(logits[i:i + 1], seq)
+            out = process(seq, s)
+            outputs.append(out)
+            if out.finished or i == k or s.token_id != drafts[i]:
+                break
+            accepted += 1
+        self._count(seq, k, accepted)
+        return outputs, accepted
+
+    @staticmethod
+    def commit(seq, accepted: int, bm) -> None:
+        """The accepted drafts' KV become the sequence's (the engine has counted its last token already);
+        pages holding only rejected positions go back to the pool."""
+        seq.num_computed += accepted
+        seq.spec_tokens = []
+        keep = bm.pages_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            tail = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            bm.free(tail)
+
+    def _count(self, seq, k: int, accepted: int) -> None:
+        c = self.counters
+        c.num_drafts += 1
+        c.num_draft_tokens += k
+        c.num_accepted_tokens += accepted
+        for i in range(accepted):
+            c.accepted_per_pos[i] += 1
+        st = self.state(seq)
+        st.num_drafts += 1
+        st.num_draft_tokens += k
+        st.num_accepted += accepted
+        st.window_drafted += k
+        st.window_accepted += accepted
+        if st.window_drafted >= self.cfg.acceptance_window:
+            if st.window_accepted < self.cfg.min_acceptance * st.window_drafted:
+                st.paused_until = len(seq.output_ids) + st.pause
+                st.pause = min(PAUSE_MAX, st.pause * 2)
+            else:
+                st.pause = PAUSE_MIN
+            st.window_drafted = st.window_accepted = 0
+
+    def stats(self) -> dict:
+        """EngineStats fields (vLLM's spec_decode counters)."""
+        c = self.counters
+        return {"spec_num_drafts": c.num_drafts, "spec_num_draft_tokens": c.num_draft_tokens,
+                "spec_num_accepted_tokens": c.num_accepted_tokens,
+                "spec_accepted_per_pos": tuple(c.accepted_per_pos)}

@@ -1,0 +1,92 @@
+"""Speculative decoding through the real tritonserver: one server with the same checkpoint as two LLM models,
+`qwen3_spec` with speculative_config and `qwen3_plain` without; every stream's ids are compared between them
+(greedy and seeded, alone and concurrent, with a grammar, stop strings, n choices, an opted-out request),
+and the spec_decode counters appear on the metrics page."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from helpers import SERVER_ENGINE, collect
+from harness.triton_server import TritonServer, make_repository
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+PROMPTS = ["a b a b a b a b a b a b", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3", "Hello, world!", "介绍一下北京故宫"]
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 48}
+SEEDED = {"temperature": 0.3, "top_k": 50, "seed": 7, "ignore_eos": True, "max_tokens": 48}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, a8w8_ckpt):
+    root = tmp_path_factory.mktemp("spec_triton")
+    engine = {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt)}
+    repo = make_repository(root / "models", {
+        "qwen3_spec": {**engine, "speculative_config": json.dumps(SPEC).replace('"', '\\"')},
+        "qwen3_plain": engine,
+        "qwen3_tokenizer": {"checkpoint": str(a8w8_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]},
+    })
+    server = TritonServer(repo, root / "tritonserver.log").start()
+    yield server
+    server.stop()
+
+
+def _ids(responses):
+    assert responses[-1][2] and responses[-1][0] != "ERROR", responses
+    return [i for _, ids, _ in responses for i in ids]
+
+
+def _text(responses):
+    return "".join(t for t, _, _ in responses)
+
+
+def _both(server, jobs):
+    """Each job (prompt, sampling parameters) on both models, all at once: (spec results, plain results)."""
+    def one(args):
+        model, (prompt, sp) = args
+        return collect(server.grpc_url, model, prompt=prompt, sampling_parameters=sp)
+    work = [("qwen3_spec", j) for j in jobs] + [("qwen3_plain", j) for j in jobs]
+    with ThreadPoolExecutor(len(work)) as pool:
+        res = list(pool.map(one, work))
+    return res[:len(jobs)], res[len(jobs):]
+
+
+def test_served_ids_equal_speculation_off_greedy_seeded_alone_and_concurrent(server):
+    before = server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_spec")
+    for prompt in PROMPTS[:2]:   # alone
+        on, off = _both(server, [(prompt, GREEDY)])
+        assert _ids(on[0]) == _ids(off[0]) and len(_ids(on[0])) == 48
+    jobs = [(p, GREEDY) for p in PROMPTS] + [(p, {**SEEDED, "seed": 7 + i}) for i, p in enumerate(PROMPTS)]
+    jobs.append((PROMPTS[0], {**SEEDED, "speculative": "off"}))
+    on, off = _both(server, jobs)
+    for a, b in zip(on, off):
+        assert _ids(a) == _ids(b)
+        assert _text(a) == _text(b)
+    assert server.wait_until(
+        lambda: server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_spec") > before, 5)
+    drafted = server.metric("vllm:spec_decode_num_draft_tokens_total", "qwen3_spec")
+    accepted = server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_spec")
+    per_pos = [server.metric("vllm:spec_decode_num_accepted_tokens_per_pos_total", "qwen3_spec", position=str(i))
+               for i in range(4)]
+    assert 0 < accepted <= drafted and sum(per_pos) == accepted
+    with pytest.raises(KeyError):
+        server.metric("vllm:spec_decode_num_drafts_total", "qwen3_plain")
+
+
+def test_served_grammar_stop_strings_and_n_choices_equal_speculation_off(server):
+    array = {"json": {"type": "array", "items": {"type": "integer"}}}
+    (full,), _ = _both(server, [(PROMPTS[0], GREEDY)])
+    text = _text(full)
+    stop = text[len(text) * 3 // 4:][:3]
+    jobs = [(PROMPTS[2], {"temperature": 0, "max_tokens": 48, "structured_outputs": array}),
+            (PROMPTS[0], {"temperature": 0, "max_tokens": 48, "structured_outputs": {"regex": "(ab|ba|abc){3,40}"}}),
+            (PROMPTS[0], {**GREEDY, "stop": [stop]}),
+            (PROMPTS[1], {**SEEDED, "n": 3})]
+    on, off = _both(server, jobs)
+    for a, b in zip(on[:3], off[:3]):
+        assert _ids(a) == _ids(b) and _text(a) == _text(b)
+    assert stop not in _text(on[2])
+    # n choices stream interleaved (arrival order differs between two runs): the same ids, 3 x 48 of them
+    assert sorted(_ids(on[3])) == sorted(_ids(off[3])) and len(_ids(on[3])) == 3 * 48
