@@ -44,27 +44,19 @@ def _step_ms(model, cache, batch: int, context: int, steps: int, page: int, spen
 
 
 def _rank(args) -> dict | None:
-    from backend_lib.checkpoint import ModelConfig, WeightStore, parse_quantization_config
     from backend_lib.device import parse_dtype
     from backend_lib.kernels import get_kernels
     from backend_lib.kv_cache import allocate_kv_cache
-    from backend_lib.models import Qwen3ForCausalLM
     from backend_lib.parallel import TPGroup
-    from backend_lib.parallel.model import load_sharded
+    from backend_lib.parallel.model import load_model
 
     torch.set_num_threads(args.threads)
     dev = torch.device("cpu")
     group = TPGroup.from_env(dev) if args.tp > 1 else TPGroup()
-    cfg = ModelConfig.from_dir(args.checkpoint)
-    scheme = parse_quantization_config(cfg.quantization_config)
     dtype = parse_dtype("bfloat16", dev)
     kernels = get_kernels(dev, "auto")
     max_len = args.context + args.steps + 8
-    store = WeightStore(args.checkpoint)
-    if group.size > 1:
-        model = load_sharded(store, cfg, scheme, dtype, dev, kernels, max_len, group)
-    else:
-        model = Qwen3ForCausalLM.from_checkpoint(store, cfg, scheme, dtype, dev, kernels, max_len)
+    model = load_model(args.checkpoint, dtype, kernels, max_len, group)
     spent = [0.0]
     for name in ("all_reduce_max_", "all_reduce_sum_", "sum_in_rank_order"):   # time rank 0's collectives
         orig = getattr(group, name)

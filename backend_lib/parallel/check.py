@@ -56,30 +56,23 @@ def greedy(model, cache, prompts: list[list[int]], max_tokens: int, page_size: i
 
 
 def _rank(args) -> dict | None:
-    from ..checkpoint import ModelConfig, WeightStore, parse_quantization_config
     from ..device import parse_dtype
     from ..kernels import get_kernels
     from ..kv_cache import allocate_kv_cache
-    from ..models import Qwen3ForCausalLM
     from .group import TPGroup
-    from .model import load_sharded
+    from .model import load_model
 
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     group = TPGroup.from_env(device) if args.tp > 1 else TPGroup()
-    cfg = ModelConfig.from_dir(args.checkpoint)
-    scheme = parse_quantization_config(cfg.quantization_config)
     kernels = get_kernels(device, args.kernels)
     max_len = max(map(len, args.prompts)) + args.max_tokens
     page = 16
     result = {"tp": group.size}
     for name in args.dtype.split(","):
         dtype = parse_dtype(name, device)
-        if group.size > 1:
-            model = load_sharded(WeightStore(args.checkpoint), cfg, scheme, dtype, device, kernels, max_len, group)
-        else:
-            model = Qwen3ForCausalLM.from_checkpoint(WeightStore(args.checkpoint), cfg, scheme, dtype, device,
-                                                     kernels, max_len)
+        model = load_model(args.checkpoint, dtype, kernels, max_len, group)
+        if group.size == 1:
             model.use_layer_loop = args.layer_loop
         runs = []
         for _ in range(args.repeat):   # each run on a fresh cache: alone, one prompt at a time, then all batched

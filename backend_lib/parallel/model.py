@@ -126,3 +126,17 @@ def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | Non
     log.info("rank %d/%d: heads %s, KV heads %s%s", group.rank, group.size, hs.heads, hs.kv_heads,
              ", experts e % {0} == {1}".format(group.size, group.rank) if cfg.moe is not None else "")
     return model
+
+
+def load_model(checkpoint: str, dtype: torch.dtype, kernels: Kernels, max_positions: int, group: TPGroup,
+               device: torch.device = torch.device("cpu")) -> Qwen3ForCausalLM:
+    """The checkpoint's model as this rank computes it: its shard at TP > 1, the whole model at TP = 1 (the check
+    tool's and bench.tp's one way to build either)."""
+    from ..checkpoint import parse_quantization_config
+
+    cfg = ModelConfig.from_dir(checkpoint)
+    scheme = parse_quantization_config(cfg.quantization_config)
+    if group.size > 1:
+        return load_sharded(WeightStore(checkpoint), cfg, scheme, dtype, device, kernels, max_positions, group)
+    return Qwen3ForCausalLM.from_checkpoint(WeightStore(checkpoint), cfg, scheme, dtype, device, kernels,
+                                            max_positions)
