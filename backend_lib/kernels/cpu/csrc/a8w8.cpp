@@ -21,6 +21,7 @@
 // assumption, and costs the same multiplier throughput per k as the vpsignb + vpmaddubsw + vpmaddwd
 // sequence.
 #include "parts.h"
+#include "vec.h"
 
 #include <type_traits>
 #include <vector>
@@ -41,41 +42,44 @@ using qx_t = int16_t;
 #endif
 constexpr int kMaxRows = 6;      // x rows per register tile (6 x 4 zmm or 6 x 2 ymm accumulators)
 
+// The vector width of the quantization loop and its store of 16 / 8 rounded lanes in [-128, 127] as qx_t: it
+// follows the activation layout (VNNI: uint8 q + 128, on 16 lanes; AVX2: int16, on 8).
+#if defined(__AVX512VNNI__)
+#define QK_A8W8_QLANES 1
+using QV = F32x16;
+inline void store_q(qx_t* q, __m512 v) {
+  const __m512i iv = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(iv));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QK_A8W8_QLANES 1
+using QV = F32x8;
+inline void store_q(qx_t* q, __m256 v) {
+  const __m256i iv = _mm256_cvtps_epi32(v);   // in [-128, 127]: the signed pack below is exact
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_packs_epi32(_mm256_castsi256_si128(iv), _mm256_extracti128_si256(iv, 1)));
+}
+#endif
+
 template <typename T>
 inline float quantize_row(const T* x, int64_t K, int64_t Kp, qx_t* q) {
   float amax = 0.f;
   int64_t k = 0;
-#if defined(__AVX512F__)
-  __m512 vmax = _mm512_setzero_ps();
-  for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16x(x + k)));
-  amax = _mm512_reduce_max_ps(vmax);
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 vmax = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8x(x + k), abs_mask));
-  amax = hmax8(vmax);
-#endif
+  if constexpr (VN::kLanes > 1) {   // max |x| on this build's widest lanes
+    using V = VN;
+    V::reg vmax = V::zero();
+    for (; k + V::kLanes <= K; k += V::kLanes) vmax = V::max(vmax, V::abs(V::loadx(x + k)));
+    amax = V::reduce_max(vmax);
+  }
   for (int64_t r = k; r < K; ++r) amax = std::max(amax, std::fabs(to_f(x[r])));
   const float scale = amax > 0.f ? amax / 127.0f : 1.0f;
   k = 0;
-#if defined(__AVX512VNNI__)
-  const __m512 vs = _mm512_set1_ps(scale);
-  const __m512 lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
-  for (; k + 16 <= K; k += 16) {
-    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16x(x + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-    const __m512i iv = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(iv));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 vs = _mm256_set1_ps(scale);
-  const __m256 lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
-  for (; k + 8 <= K; k += 8) {
-    __m256 v = _mm256_round_ps(_mm256_div_ps(load8x(x + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-    const __m256i iv = _mm256_cvtps_epi32(v);   // in [-128, 127]: the signed pack below is exact
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
-                     _mm_packs_epi32(_mm256_castsi256_si128(iv), _mm256_extracti128_si256(iv, 1)));
+#if defined(QK_A8W8_QLANES)
+  {
+    using V = QV;
+    const V::reg vs = V::set1(scale);
+    const V::reg lo = V::set1(-128.f), hi = V::set1(127.f);
+    for (; k + V::kLanes <= K; k += V::kLanes)
+      store_q(q + k, V::min(V::max(V::round_nearest(V::div(V::loadx(x + k), vs)), lo), hi));
   }
 #endif
   for (; k < K; ++k) {

@@ -7,70 +7,47 @@
 namespace qk {
 namespace {
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// AVX2 register tile: 16 keys (2 ymm) x NT <= 4 rows, one FMA chain over d per lane. kb points at the
-// tile's first key in its block (row stride KW); out gets columns k0..k0+15.
-template <int NT, typename CT>
-inline void score_tile8(const RowBlock& rb, int r0, const CT* kb, int64_t KW, int64_t D, float (*out)[kMaxKW], int k0) {
-  __m256 acc[NT][2];
+// Register tile: NT rows x NK vectors of V's lanes, keys k0.. of a key block ([D, KW] contiguous, kb at its
+// first key): out[i][k0 + l] = sum over d of q[r0 + i][d] * K[d][k0 + l], one FMA chain over d per lane.
+template <class V, int NT, int NK, int KW, typename CT>
+inline void score_tile(const RowBlock& rb, int r0, const CT* kb, int64_t D, float (*out)[kMaxKW], int k0) {
+  using R = typename V::reg;
+  R acc[NT][NK];
+#pragma GCC unroll 8
+  for (int i = 0; i < NT; ++i)
 #pragma GCC unroll 4
-  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int v = 0; v < NK; ++v) acc[i][v] = V::zero();
   for (int64_t d = 0; d < D; ++d) {
-    const __m256 k0v = load8x(kb + d * KW), k1v = load8x(kb + d * KW + 8);
+    R kv[NK];
 #pragma GCC unroll 4
+    for (int v = 0; v < NK; ++v) kv[v] = V::loadx(kb + d * KW + k0 + V::kLanes * v);
+#pragma GCC unroll 8
     for (int i = 0; i < NT; ++i) {
-      const __m256 qb = _mm256_set1_ps(rb.q[r0 + i][d]);
-      acc[i][0] = _mm256_fmadd_ps(qb, k0v, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(qb, k1v, acc[i][1]);
+      const R qb = V::set1(rb.q[r0 + i][d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NK; ++v) acc[i][v] = V::fmadd(qb, kv[v], acc[i][v]);
     }
   }
+#pragma GCC unroll 8
+  for (int i = 0; i < NT; ++i)
 #pragma GCC unroll 4
-  for (int i = 0; i < NT; ++i) {
-    _mm256_storeu_ps(out[i] + k0, acc[i][0]);
-    _mm256_storeu_ps(out[i] + k0 + 8, acc[i][1]);
-  }
+    for (int v = 0; v < NK; ++v) V::store(out[i] + k0 + V::kLanes * v, acc[i][v]);
 }
-#endif
 
-// Raw scores of one key block (KW keys) for NR rows: sum over d of q[r][d] * K[d][j], one FMA chain
-// per lane. kb points at the block: [D, KW] contiguous.
+// Raw scores of one key block (KW keys) for NR rows, in tiles of this width's shape: AVX-512 all NR (<= 8) rows
+// x the block's KW / 16 vectors; AVX2 4 rows x 16 keys (2 ymm), walking the block; one lane, 1 row x the block's
+// keys. Every score is the same chain over d whatever the tile (on one lane the plain dot product s += q * k).
 template <int NR, int KW, typename CT>
 inline void score_dense(const RowBlock& rb, int r0, const CT* kb, int64_t D, float (*out)[kMaxKW]) {
-#if defined(__AVX512F__)
-  constexpr int V = KW / 16;
-  __m512 acc[NR][V];
-#pragma GCC unroll 8
-  for (int i = 0; i < NR; ++i)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    __m512 kv[V];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) kv[v] = load16x(kb + d * KW + 16 * v);
-#pragma GCC unroll 8
-    for (int i = 0; i < NR; ++i) {
-      const __m512 qb = _mm512_set1_ps(rb.q[r0 + i][d]);
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(qb, kv[v], acc[i][v]);
-    }
+  using V = VN;
+  constexpr int W = V::kLanes;
+  constexpr int NT = W == 16 ? NR : W == 8 ? 4 : 1;   // rows per tile
+  constexpr int KT = W == 8 ? 16 : KW;                // keys per tile
+  for (int k0 = 0; k0 < KW; k0 += KT) {
+    for (int t = 0; t + NT <= NR; t += NT) score_tile<V, NT, KT / W, KW>(rb, r0 + t, kb, D, out + t, k0);
+    if constexpr (NR % NT != 0)
+      score_tile<V, NR % NT, KT / W, KW>(rb, r0 + NR / NT * NT, kb, D, out + NR / NT * NT, k0);
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < NR; ++i)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) _mm512_store_ps(out[i] + 16 * v, acc[i][v]);
-#elif defined(__AVX2__) && defined(__FMA__)
-  for (int k0 = 0; k0 < KW; k0 += 16) {
-    for (int t = 0; t + 4 <= NR; t += 4) score_tile8<4>(rb, r0 + t, kb + k0, KW, D, out + t, k0);
-    if constexpr (NR % 4 != 0) score_tile8<NR % 4>(rb, r0 + NR / 4 * 4, kb + k0, KW, D, out + NR / 4 * 4, k0);
-  }
-#else
-  for (int i = 0; i < NR; ++i)
-    for (int l = 0; l < KW; ++l) {
-      float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += rb.q[r0 + i][d] * to_f(kb[d * KW + l]);
-      out[i][l] = s;
-    }
-#endif
 }
 
 template <int KW, typename CT>
@@ -180,32 +157,29 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 5, "q must be [T, H, D] and k_cache [P, KVH, S/KW, D, KW]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  auto q = q_in.contiguous();
-  auto bt = block_tables_in.to(at::kInt).contiguous();
-  auto qsl = query_start_loc_in.to(at::kInt).contiguous();
-  auto lens = seq_lens_in.to(at::kInt).contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  PagedBatch b(q_in, block_tables_in, query_start_loc_in, seq_lens_in);
+  const int64_t H = b.H, D = b.D;
   const int64_t KVH = k_cache.size(1), S = k_cache.size(2) * k_cache.size(4), KW = k_cache.size(4);
   TORCH_CHECK(k_cache.size(3) == D && v_cache.size(3) == D && v_cache.size(2) == S && KW == key_block_width(S),
               "cache shapes do not match q");
   TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxRows && D <= kMaxHeadDim, "attention: unsupported shape");
-  const int G = static_cast<int>(H / KVH);
-  auto out = at::empty_like(q);
-  if (T == 0) return out;
-  const int32_t* qs = qsl.data_ptr<int32_t>();
-  const int32_t* ls = lens.data_ptr<int32_t>();
-  const auto items = make_items(qs, lens.size(0), KVH, G);
-  const int64_t max_pages = bt.size(1);
+  auto out = b.plan(KVH);
+  if (b.T == 0) return out;
+  const int G = b.G;
+  const int32_t* qs = b.qsl();
+  const int32_t* ls = b.lens();
+  const auto& items = b.items;
+  const int64_t max_pages = b.max_pages;
   const float sm = static_cast<float>(scale);
-  QK_DISPATCH_FLOAT(q.scalar_type(), "paged_attention", [&] {
+  QK_DISPATCH_FLOAT(b.q.scalar_type(), "paged_attention", [&] {
     using QT = scalar_t;
     QK_DISPATCH_FLOAT(k_cache.scalar_type(), "paged_attention", [&] {
       using CT = scalar_t;
-      const QT* qp = q.data_ptr<QT>();
+      const QT* qp = b.q.data_ptr<QT>();
       QT* op = out.data_ptr<QT>();
       const CT* kc = k_cache.data_ptr<CT>();
       const CT* vc = v_cache.data_ptr<CT>();
-      const int32_t* btp = bt.data_ptr<int32_t>();
+      const int32_t* btp = b.tables();
       for_each_item(static_cast<int64_t>(items.size()), [&](int64_t it, RowBlock& rb) {
         dense_item<QT, CT>(rb, items[it], qs, ls, btp, max_pages, G, H, KVH, D, S, KW, sm, qp, kc, vc, op);
       });

@@ -42,109 +42,64 @@ struct RowBlock {
 };
 
 // Online-softmax update of row r with the scores of one page (n keys, -inf where masked): the
-// scores become probabilities in place; acc and den are rescaled. Vectorized, with the same code
-// (hence the same rounding) for every row whatever its block.
-inline void softmax_update(RowBlock& rb, int r, float* s, int64_t n, int64_t D) {
-#if defined(__AVX512F__)
-  __m512 vm = _mm512_set1_ps(-INFINITY);
+// scores become probabilities in place; acc and den are rescaled. One template over the width V (vec.h):
+// key j always lands in lane j % V::kLanes and masked lanes add exact zeros, so a row's sum does not
+// depend on how many keys the other rows of its block have (the same code, hence the same rounding, for
+// every row whatever its block). On one lane it is the plain loop: max, exp and sum in key order.
+template <class V>
+inline void softmax_update_v(RowBlock& rb, int r, float* s, int64_t n, int64_t D) {
+  using R = typename V::reg;
+  constexpr int W = V::kLanes;
+  const R ninf = V::set1(-INFINITY);
+  R vm = ninf;
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-  if (j < n) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + j));
-  const float bm = std::max(rb.mx[r], _mm512_reduce_max_ps(vm));
-  const __m512 vb = _mm512_set1_ps(bm);
-  __m512 vsum = _mm512_setzero_ps();
-  for (j = 0; j + 16 <= n; j += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vb));
-    _mm512_storeu_ps(s + j, e);
-    vsum = _mm512_add_ps(vsum, e);
+  for (; j + W <= n; j += W) vm = V::max(vm, V::load(s + j));
+  const auto tail = V::first(n - j);
+  if (j < n) vm = V::max(vm, V::load_first_or(tail, s + j, ninf));
+  const float bm = std::max(rb.mx[r], V::reduce_max(vm));
+  const R vb = V::set1(bm);
+  R vsum = V::zero();
+  for (j = 0; j + W <= n; j += W) {
+    const R e = vexp<V>(V::sub(V::load(s + j), vb));
+    V::store(s + j, e);
+    vsum = V::add(vsum, e);
   }
   if (j < n) {
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), vb)));
-    _mm512_mask_storeu_ps(s + j, tail, e);
-    vsum = _mm512_add_ps(vsum, e);
+    const R e = V::keep(tail, vexp<V>(V::sub(V::load_first(tail, s + j), vb)));
+    V::store_first(tail, s + j, e);
+    vsum = V::add(vsum, e);
   }
-  const float sum = _mm512_reduce_add_ps(vsum);
+  const float sum = V::reduce_add(vsum);
   const float alpha = std::exp(rb.mx[r] - bm);
   rb.den[r] = rb.den[r] * alpha + sum;
-  if (alpha != 1.0f) {
-    const __m512 va = _mm512_set1_ps(alpha);
+  if (alpha != 1.0f) {   // x * 1 is x: skipping it changes no bit
+    const R va = V::set1(alpha);
     float* a = rb.acc[r];
     int64_t d = 0;
-    for (; d + 16 <= D; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
+    for (; d + W <= D; d += W) V::store(a + d, V::mul(V::load(a + d), va));
     for (; d < D; ++d) a[d] *= alpha;
   }
   rb.mx[r] = bm;
-#elif defined(__AVX2__) && defined(__FMA__)
-  // The AVX-512 code on 8 lanes: key j always lands in lane j % 8 and masked lanes add exact zeros,
-  // so a row's sum does not depend on how many keys the other rows of its block have.
-  const __m256 ninf = _mm256_set1_ps(-INFINITY);
-  __m256 vm = ninf;
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
-  const __m256i tail = lanes_below(n - j);
-  if (j < n) vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, _mm256_maskload_ps(s + j, tail), _mm256_castsi256_ps(tail)));
-  const float bm = std::max(rb.mx[r], hmax8(vm));
-  const __m256 vb = _mm256_set1_ps(bm);
-  __m256 vsum = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= n; j += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vb));
-    _mm256_storeu_ps(s + j, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  if (j < n) {
-    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_maskload_ps(s + j, tail), vb)), _mm256_castsi256_ps(tail));
-    _mm256_maskstore_ps(s + j, tail, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  const float sum = hsum8(vsum);
-  const float alpha = std::exp(rb.mx[r] - bm);
-  rb.den[r] = rb.den[r] * alpha + sum;
-  if (alpha != 1.0f) {
-    const __m256 va = _mm256_set1_ps(alpha);
-    float* a = rb.acc[r];
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), va));
-    for (; d < D; ++d) a[d] *= alpha;
-  }
-  rb.mx[r] = bm;
-#else
-  float bm = rb.mx[r];
-  for (int64_t j = 0; j < n; ++j) bm = std::max(bm, s[j]);
-  const float alpha = std::exp(rb.mx[r] - bm);
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - bm);
-    sum += s[j];
-  }
-  rb.den[r] = rb.den[r] * alpha + sum;
-  for (int64_t d = 0; d < D; ++d) rb.acc[r][d] *= alpha;
-  rb.mx[r] = bm;
-#endif
 }
 
-// Scores of one row for one key block: times `scale`, -inf past the row's last key.
+inline void softmax_update(RowBlock& rb, int r, float* s, int64_t n, int64_t D) { softmax_update_v<VN>(rb, r, s, n, D); }
+
+// Scores of one row for one key block: times `scale`, -inf past the row's last key. raw holds kMaxKW >= n
+// floats: the full loads stay inside it.
+template <class V>
+inline void store_scores_v(float* s, const float* raw, int64_t n, int64_t valid, float scale) {
+  using R = typename V::reg;
+  constexpr int W = V::kLanes;
+  const R vs = V::set1(scale), ninf = V::set1(-INFINITY);
+  for (int64_t l = 0; l < n; l += W) {
+    const auto st = V::first(std::min<int64_t>(W, n - l));
+    const auto ok = V::first(std::max<int64_t>(0, std::min<int64_t>(W, valid - l)));
+    V::store_first(st, s + l, V::mul_or(ok, V::load(raw + l), vs, ninf));
+  }
+}
+
 inline void store_scores(float* s, const float* raw, int64_t n, int64_t valid, float scale) {
-#if defined(__AVX512F__)
-  const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-  for (int64_t l = 0; l < n; l += 16) {
-    const int64_t m = std::min<int64_t>(16, n - l);
-    const __mmask16 st = static_cast<__mmask16>((1u << m) - 1);
-    const int64_t v = std::max<int64_t>(0, std::min<int64_t>(16, valid - l));
-    const __mmask16 ok = static_cast<__mmask16>((1u << v) - 1);
-    _mm512_mask_storeu_ps(s + l, st, _mm512_mask_mul_ps(ninf, ok, _mm512_loadu_ps(raw + l), vs));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 vs = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
-  for (int64_t l = 0; l < n; l += 8) {   // raw holds kMaxKW >= n floats: the full loads stay inside it
-    const __m256i st = lanes_below(std::min<int64_t>(8, n - l));
-    const __m256i ok = lanes_below(std::max<int64_t>(0, std::min<int64_t>(8, valid - l)));
-    _mm256_maskstore_ps(s + l, st, _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(raw + l), vs),
-                                                      _mm256_castsi256_ps(ok)));
-  }
-#else
-  for (int64_t l = 0; l < n; ++l) s[l] = l < valid ? raw[l] * scale : -INFINITY;
-#endif
+  store_scores_v<VN>(s, raw, n, valid, scale);
 }
 
 #if defined(__AVX512F__)
@@ -454,5 +409,37 @@ inline std::vector<WorkItem> make_items(const int32_t* qsl, int64_t B, int64_t K
         items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(g), t, std::min<int32_t>(per, qsl[b + 1] - t)});
   return items;
 }
+
+// The host side that paged_attention and tq_paged_attention share: q [T, H, D] made contiguous, the int32 block
+// tables / query_start_loc / seq_lens, the output, and (plan, once the caller has checked its cache against q) the
+// GQA group and the work items.
+struct PagedBatch {
+  at::Tensor q, block_tables, query_start_loc, seq_lens;
+  int64_t T, H, D, max_pages = 0;
+  int G = 1;
+  std::vector<WorkItem> items;
+
+  PagedBatch(const at::Tensor& q_in, const at::Tensor& block_tables_in, const at::Tensor& query_start_loc_in,
+             const at::Tensor& seq_lens_in)
+      : q(q_in.contiguous()),
+        block_tables(block_tables_in.to(at::kInt).contiguous()),
+        query_start_loc(query_start_loc_in.to(at::kInt).contiguous()),
+        seq_lens(seq_lens_in.to(at::kInt).contiguous()),
+        T(q.size(0)), H(q.size(1)), D(q.size(2)) {}
+
+  const int32_t* qsl() const { return query_start_loc.data_ptr<int32_t>(); }
+  const int32_t* lens() const { return seq_lens.data_ptr<int32_t>(); }
+  const int32_t* tables() const { return block_tables.data_ptr<int32_t>(); }
+
+  // The output (empty like q) and, when there are rows, the work items over KVH KV heads.
+  at::Tensor plan(int64_t KVH) {
+    G = static_cast<int>(H / KVH);
+    auto out = at::empty_like(q);
+    if (T == 0) return out;
+    max_pages = block_tables.size(1);
+    items = make_items(qsl(), seq_lens.size(0), KVH, G);
+    return out;
+  }
+};
 
 }  // namespace qk

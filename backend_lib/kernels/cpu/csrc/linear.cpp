@@ -6,7 +6,7 @@
 // fixed whatever M is and whichever rows share the call, so a token's result never depends on its
 // batch. Up to 6 x-rows share every weight load; a panel is one sequential memory stream (on AVX2 a
 // tile of 2..6 x rows covers 8 to 32 of the panel's rows per pass over k; a single row takes all 64).
-#include "common.h"
+#include "vec.h"
 
 namespace qk {
 namespace {
@@ -16,66 +16,86 @@ constexpr int kMaxRows = 6;
 
 inline float bf16_at(const c10::BFloat16* p) { return bf16_bits_to_float(p->x); }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The panel kernels on V's lanes: MB x rows times NJ vectors of the panel's rows from vector j0 (AVX-512: all 4 x
+// 16 rows, j0 = 0; AVX2: 16 ymm hold MB x NJ accumulators plus the weights of one k (or k-pair) and the broadcast
+// x values, so a call covers NJ of the panel's 8 row groups and panel_kernel walks the groups). Each lane runs one
+// FMA chain over k in order (bf16: even k, then odd k), so the tiling never changes a result.
+
+// V::kLanes rows x a k-pair of a bf16 panel (2 V::kLanes uint16, even k in the low half of each 32-bit lane) as
+// two fp32 vectors: even k (shifted up) and odd k (the high half, masked).
+template <class V> inline void bf16_pairs(const uint16_t* p, typename V::reg& even, typename V::reg& odd);
 #if defined(__AVX512F__)
+template <> inline void bf16_pairs<F32x16>(const uint16_t* p, __m512& even, __m512& odd) {
+  const __m512i w = _mm512_load_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#endif
+template <> inline void bf16_pairs<F32x8>(const uint16_t* p, __m256& even, __m256& odd) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // bf16 panel, fp32 (or bf16 without the BF16 extension) x: split each k-pair into two fp32 vectors.
-template <int MB, typename XT>
-inline void panel_bf16_fma(const XT* x, int64_t ldx, const c10::BFloat16* panel, int64_t KG, float* out) {
-  __m512 acc[MB][4];
+template <class V, int MB, int NJ, typename XT>
+inline void panel_bf16_fma(const XT* x, int64_t ldx, const c10::BFloat16* panel, int64_t KG, float* out, int j0) {
+  using R = typename V::reg;
+  constexpr int W = V::kLanes;
+  R acc[MB][NJ];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) acc[i][j] = V::zero();
   for (int64_t g = 0; g < KG; ++g) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(panel) + g * 128;
-    __m512 we[4], wo[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512i w = _mm512_load_si512(p + j * 32);
-      we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-      wo[j] = _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask));
-    }
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(panel) + g * 128 + j0 * 2 * W;
+    R we[NJ], wo[NJ];
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) bf16_pairs<V>(p + j * 2 * W, we[j], wo[j]);
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
-      const __m512 x0 = _mm512_set1_ps(to_f(x[i * ldx + 2 * g])), x1 = _mm512_set1_ps(to_f(x[i * ldx + 2 * g + 1]));
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(x1, wo[j], _mm512_fmadd_ps(x0, we[j], acc[i][j]));
+      const R x0 = V::set1(to_f(x[i * ldx + 2 * g])), x1 = V::set1(to_f(x[i * ldx + 2 * g + 1]));
+#pragma GCC unroll 8
+      for (int j = 0; j < NJ; ++j) acc[i][j] = V::fmadd(x1, wo[j], V::fmadd(x0, we[j], acc[i][j]));
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * kPanel + j * 16, acc[i][j]);
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) V::store(out + i * kPanel + (j0 + j) * W, acc[i][j]);
 }
 
-// fp32 panel: one k per 4 zmm.
-template <int MB, typename XT>
-inline void panel_f32(const XT* x, int64_t ldx, const float* panel, int64_t K, float* out) {
-  __m512 acc[MB][4];
+// fp32 panel: one k per NJ vectors.
+template <class V, int MB, int NJ, typename XT>
+inline void panel_f32(const XT* x, int64_t ldx, const float* panel, int64_t K, float* out, int j0) {
+  using R = typename V::reg;
+  constexpr int W = V::kLanes;
+  R acc[MB][NJ];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) acc[i][j] = V::zero();
   for (int64_t k = 0; k < K; ++k) {
-    const float* p = panel + k * kPanel;
-    const __m512 w0 = _mm512_load_ps(p), w1 = _mm512_load_ps(p + 16), w2 = _mm512_load_ps(p + 32),
-                 w3 = _mm512_load_ps(p + 48);
+    const float* p = panel + k * kPanel + j0 * W;
+    R w[NJ];
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) w[j] = V::load(p + j * W);
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
-      const __m512 xv = _mm512_set1_ps(to_f(x[i * ldx + k]));
-      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-      acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
-      acc[i][3] = _mm512_fmadd_ps(xv, w3, acc[i][3]);
+      const R xv = V::set1(to_f(x[i * ldx + k]));
+#pragma GCC unroll 8
+      for (int j = 0; j < NJ; ++j) acc[i][j] = V::fmadd(xv, w[j], acc[i][j]);
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * kPanel + j * 16, acc[i][j]);
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) V::store(out + i * kPanel + (j0 + j) * W, acc[i][j]);
 }
+#endif
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 // bf16 x and bf16 panel on vdpbf16ps: each lane adds x[2g] w[2g] + x[2g+1] w[2g+1].
 template <int MB>
 inline void panel_bf16_dp(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t KG, float* out) {
@@ -105,69 +125,9 @@ inline void panel_bf16_dp(const c10::BFloat16* x, int64_t ldx, const c10::BFloat
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * kPanel + j * 16, acc[i][j]);
 }
 #endif
-#endif  // __AVX512F__
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// AVX2: 16 ymm hold MB x NJ accumulators (8 output rows each) plus the weights of one k (or k-pair) and
-// the broadcast x values, so a call covers NJ of the panel's 8 row groups; panel_kernel walks the
-// groups. Each lane still runs one FMA chain over k in order (for bf16: even k, then odd k, as the
-// AVX-512 kernel), so the tiling never changes a result.
-template <int MB> constexpr int kGroups8 = MB == 1 ? 8 : MB == 2 ? 4 : MB <= 4 ? 2 : 1;
-
-template <int MB, int NJ, typename XT>
-inline void panel_bf16_avx2(const XT* x, int64_t ldx, const c10::BFloat16* panel, int64_t KG, float* out, int j0) {
-  __m256 acc[MB][NJ];
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_setzero_ps();
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t g = 0; g < KG; ++g) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(panel) + g * 128 + j0 * 16;
-    __m256 we[NJ], wo[NJ];
-#pragma GCC unroll 8
-    for (int j = 0; j < NJ; ++j) {   // 8 rows x a k-pair: even k in the low half of each 32-bit lane
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 16));
-      we[j] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      wo[j] = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) {
-      const __m256 x0 = _mm256_set1_ps(to_f(x[i * ldx + 2 * g])), x1 = _mm256_set1_ps(to_f(x[i * ldx + 2 * g + 1]));
-#pragma GCC unroll 8
-      for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_fmadd_ps(x1, wo[j], _mm256_fmadd_ps(x0, we[j], acc[i][j]));
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(out + i * kPanel + (j0 + j) * 8, acc[i][j]);
-}
-
-template <int MB, int NJ, typename XT>
-inline void panel_f32_avx2(const XT* x, int64_t ldx, const float* panel, int64_t K, float* out, int j0) {
-  __m256 acc[MB][NJ];
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* p = panel + k * kPanel + j0 * 8;
-    __m256 w[NJ];
-#pragma GCC unroll 8
-    for (int j = 0; j < NJ; ++j) w[j] = _mm256_loadu_ps(p + j * 8);
-#pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) {
-      const __m256 xv = _mm256_set1_ps(to_f(x[i * ldx + k]));
-#pragma GCC unroll 8
-      for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(out + i * kPanel + (j0 + j) * 8, acc[i][j]);
-}
+template <int MB> constexpr int kGroups8 = MB == 1 ? 8 : MB == 2 ? 4 : MB <= 4 ? 2 : 1;   // NJ of an AVX2 tile
 #endif
 
 // Portable panel kernel: each output accumulates sequentially over k (pairs for bf16 panels).
@@ -191,7 +151,7 @@ template <int MB, typename XT, typename WT>
 inline void panel_kernel(const XT* x, int64_t ldx, const WT* panel, int64_t Kp, float* out) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<WT, float>) {
-    panel_f32<MB>(x, ldx, panel, Kp, out);
+    panel_f32<F32x16, MB, 4>(x, ldx, panel, Kp, out, 0);
   } else {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<XT, c10::BFloat16>) {
@@ -199,13 +159,13 @@ inline void panel_kernel(const XT* x, int64_t ldx, const WT* panel, int64_t Kp, 
       return;
     }
 #endif
-    panel_bf16_fma<MB>(x, ldx, panel, Kp / 2, out);
+    panel_bf16_fma<F32x16, MB, 4>(x, ldx, panel, Kp / 2, out, 0);
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   constexpr int NJ = kGroups8<MB>;
   for (int j0 = 0; j0 < kPanel / 8; j0 += NJ) {
-    if constexpr (std::is_same_v<WT, float>) panel_f32_avx2<MB, NJ>(x, ldx, panel, Kp, out, j0);
-    else panel_bf16_avx2<MB, NJ>(x, ldx, panel, Kp / 2, out, j0);
+    if constexpr (std::is_same_v<WT, float>) panel_f32<F32x8, MB, NJ>(x, ldx, panel, Kp, out, j0);
+    else panel_bf16_fma<F32x8, MB, NJ>(x, ldx, panel, Kp / 2, out, j0);
   }
 #else
   panel_scalar<MB>(x, ldx, panel, Kp, out);

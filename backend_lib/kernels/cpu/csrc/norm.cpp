@@ -6,31 +6,30 @@
 namespace qk {
 namespace {
 
-template <typename T>
+// 1 / rms of the row: 16 partial sums part[k & 15] (16 / V::kLanes vectors of V's lanes, the same FMAs on every
+// vector width when D % 16 == 0, else the scalar loop), then a fixed tree.
+template <class V, typename T>
 inline float inv_rms(const T* h, int64_t D, float eps) {
   float part[16] = {0};
   int64_t k = 0;
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (; k < D; k += 16) {
-      const __m512 v = load16x(h + k);
-      acc = _mm512_fmadd_ps(v, v, acc);
+  if constexpr (V::kLanes > 1) {
+    if (D % 16 == 0) {
+      using R = typename V::reg;
+      constexpr int NV = 16 / V::kLanes;
+      R acc[NV];
+#pragma GCC unroll 2
+      for (int c = 0; c < NV; ++c) acc[c] = V::zero();
+      for (; k < D; k += 16) {
+#pragma GCC unroll 2
+        for (int c = 0; c < NV; ++c) {
+          const R v = V::loadx(h + k + c * V::kLanes);
+          acc[c] = V::fmadd(v, v, acc[c]);
+        }
+      }
+#pragma GCC unroll 2
+      for (int c = 0; c < NV; ++c) V::store(part + c * V::kLanes, acc[c]);
     }
-    _mm512_storeu_ps(part, acc);
   }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (D % 16 == 0) {   // two ymm = the 16 partial sums of the AVX-512 kernel, the same FMAs and tree
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (; k < D; k += 16) {
-      const __m256 v0 = load8x(h + k), v1 = load8x(h + k + 8);
-      acc0 = _mm256_fmadd_ps(v0, v0, acc0);
-      acc1 = _mm256_fmadd_ps(v1, v1, acc1);
-    }
-    _mm256_storeu_ps(part, acc0);
-    _mm256_storeu_ps(part + 8, acc1);
-  }
-#endif
   for (; k < D; ++k) {
     const float v = to_f(h[k]);
     part[k & 15] += v * v;
@@ -40,36 +39,24 @@ inline float inv_rms(const T* h, int64_t D, float eps) {
   return 1.0f / std::sqrt(part[0] / static_cast<float>(D) + eps);
 }
 
-// out = w * round(h * inv): the normalized row rounded to T, then scaled by the weight.
-template <typename T>
+// out = w * round(h * inv): the normalized row rounded to T, then scaled by the weight (V's lanes, then the
+// scalar loop's operations on the tail: elementwise, so the same bits whichever computes an element).
+template <class V, typename T>
 inline void scale_row(const T* h, const T* w, T* out, int64_t D, float inv) {
   int64_t k = 0;
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    const __m512 vi = _mm512_set1_ps(inv);
-    for (; k < D; k += 16)
-      store16x(out + k, _mm512_mul_ps(load16x(w + k), round_to(_mm512_mul_ps(load16x(h + k), vi), h)));
-    return;
+  if constexpr (V::kLanes > 1) {
+    const typename V::reg vi = V::set1(inv);
+    for (; k + V::kLanes <= D; k += V::kLanes)
+      V::storex(out + k, V::mul(V::loadx(w + k), V::round_as(V::mul(V::loadx(h + k), vi), h)));
   }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 vi = _mm256_set1_ps(inv);   // the scalar loop's operations, 8 lanes at a time
-  for (; k + 8 <= D; k += 8)
-    store8x(out + k, _mm256_mul_ps(load8x(w + k), round_to(_mm256_mul_ps(load8x(h + k), vi), h)));
-#endif
   for (; k < D; ++k) out[k] = from_f<T>(to_f(w[k]) * to_f(from_f<T>(to_f(h[k]) * inv)));
 }
 
-template <typename T>
+template <class V, typename T>
 inline void add_row(const T* x, const T* r, T* h, int64_t D) {
   int64_t k = 0;
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    for (; k < D; k += 16) store16x(h + k, _mm512_add_ps(load16x(x + k), load16x(r + k)));
-    return;
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  for (; k + 8 <= D; k += 8) store8x(h + k, _mm256_add_ps(load8x(x + k), load8x(r + k)));
-#endif
+  if constexpr (V::kLanes > 1)
+    for (; k + V::kLanes <= D; k += V::kLanes) V::storex(h + k, V::add(V::loadx(x + k), V::loadx(r + k)));
   for (; k < D; ++k) h[k] = from_f<T>(to_f(x[k]) + to_f(r[k]));
 }
 
@@ -79,13 +66,13 @@ namespace parts {
 
 template <typename T>
 void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps) {
-  scale_row(x, w, out, D, inv_rms(x, D, eps));
+  scale_row<VN>(x, w, out, D, inv_rms<VN>(x, D, eps));
 }
 
 template <typename T>
 void add_rms_norm_row(const T* x, const T* r, const T* w, T* out, T* h, int64_t D, float eps) {
-  add_row(x, r, h, D);
-  scale_row(h, w, out, D, inv_rms(h, D, eps));
+  add_row<VN>(x, r, h, D);
+  scale_row<VN>(h, w, out, D, inv_rms<VN>(h, D, eps));
 }
 
 template <typename T>
@@ -93,7 +80,7 @@ void qk_norm_rope_head(const T* row, const T* w, const float* cosv, int64_t D, f
   alignas(64) T normed[512];
   const int64_t half = D / 2;
   const float* sinv = cosv + half;
-  scale_row(row, w, normed, D, inv_rms(row, D, eps));
+  scale_row<VN>(row, w, normed, D, inv_rms<VN>(row, D, eps));
   for (int64_t i = 0; i < half; ++i) {   // rotate-half in fp32, one rounding
     const float x1 = to_f(normed[i]), x2 = to_f(normed[i + half]);
     dst[i] = from_f<T>(x1 * cosv[i] - x2 * sinv[i]);
@@ -105,21 +92,15 @@ template <typename T>
 void silu_mul_row(const T* g, int64_t I, T* o) {
   const T* u = g + I;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (; i + 16 <= I; i += 16) {
-    const __m512 gv = load16x(g + i);
-    const __m512 sv = round_to(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), g);
-    store16x(o + i, _mm512_mul_ps(sv, load16x(u + i)));
+  if constexpr (VN::kLanes > 1) {
+    using V = VN;
+    const V::reg one = V::set1(1.0f);
+    for (; i + V::kLanes <= I; i += V::kLanes) {
+      const V::reg gv = V::loadx(g + i);
+      const V::reg sv = V::round_as(V::div(gv, V::add(one, vexp<V>(V::sub(V::zero(), gv)))), g);
+      V::storex(o + i, V::mul(sv, V::loadx(u + i)));
+    }
   }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (; i + 8 <= I; i += 8) {
-    const __m256 gv = load8x(g + i);
-    const __m256 sv = round_to(_mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)))), g);
-    store8x(o + i, _mm256_mul_ps(sv, load8x(u + i)));
-  }
-#endif
   for (; i < I; ++i) {
     const float gv = to_f(g[i]);
     const float s = to_f(from_f<T>(gv / (1.0f + std::exp(-gv))));   // tails only

@@ -126,42 +126,13 @@ inline __m256i load8_codes(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// AVX2 register tile: 16 keys x NT <= 3 rows (16 ymm with the table and the decoded keys), the same
-// FMA chain per lane as the AVX-512 kernel. kb points at the tile's first key; out gets columns k0..k0+15.
-template <int NT>
-inline void score_codes_tile8(const RowBlock& rb, int r0, const uint8_t* kb, const float* ks, int64_t KW, int64_t D,
-                              const Table16& table, float (*out)[kMaxKW], int k0) {
-  const int64_t h = D / 2;
-  __m256 acc[NT][2];
-#pragma GCC unroll 4
-  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < h; ++c) {
-    __m256 klo[2], khi[2];
-#pragma GCC unroll 2
-    for (int v = 0; v < 2; ++v) {
-      const __m256i x = load8_codes(kb + c * KW + 8 * v);
-      klo[v] = table(x);
-      khi[v] = table(_mm256_srli_epi32(x, 4));
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < NT; ++i) {
-      const __m256 ql = _mm256_set1_ps(rb.q[r0 + i][c]), qh = _mm256_set1_ps(rb.q[r0 + i][c + h]);
-#pragma GCC unroll 2
-      for (int v = 0; v < 2; ++v) acc[i][v] = _mm256_fmadd_ps(qh, khi[v], _mm256_fmadd_ps(ql, klo[v], acc[i][v]));
-    }
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < NT; ++i)
-#pragma GCC unroll 2
-    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(out[i] + k0 + 8 * v, _mm256_mul_ps(acc[i][v], _mm256_loadu_ps(ks + 8 * v)));
-}
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// The tile above for a whole 32-key block and NT <= 2 rows (decode steps): the block's 32 code bytes of
+// score_tile for a whole 32-key block and NT <= 2 rows (decode steps): the block's 32 code bytes of
 // dim c decode with one Planes16 call per nibble; keys land in the lanes Planes16 gives and are put back
 // in order at the end. 8 accumulators also hide the two dependent FMAs per dim that bound the 16-key tile
-// at 2 rows. Same FMA chain per key as score_codes_tile8.
+// at 2 rows. Same FMA chain per key as score_tile.
 template <int NT>
 inline void score_codes_tile32(const RowBlock& rb, int r0, const uint8_t* kb, const float* ks, int64_t D,
                                const Planes16& table, const uint8_t* ahead, float (*out)[kMaxKW]) {
@@ -216,7 +187,7 @@ inline void score_codes_few(const RowBlock& rb, int r0, int nr, const uint8_t* k
 // Prefill on AVX2: decoding a key block costs more uops than the FMAs of 3 rows, so an item of many rows
 // decodes each block once into fp32 ([D/2][2][KW]: dim c then dim c + D/2, the order the code tile walks)
 // and scores it with a 4-row tile. Same values (table lookups are exact), same FMA chain per lane as
-// score_codes_tile8: a row's scores do not depend on which path its block took.
+// score_tile: a row's scores do not depend on which path its block took.
 inline void decode_key_block(const uint8_t* kb, int64_t KW, int64_t D, const Table16& table, float* out) {
   for (int64_t c = 0; c < D / 2; ++c)
     for (int64_t l = 0; l < KW; l += 8) {
@@ -293,58 +264,87 @@ struct DecodeScratch {
 };
 #endif
 
-// Raw scores of one key block (KW keys) for NR rows straight from the nibble codes: the block is
-// [D/2, KW] bytes, byte c of key j holding dims c (low nibble) and c + D/2 (high nibble); lanes are keys.
+// The 16 centroids as a lookup of V's lanes: at(p, lo, hi) reads the code bytes of V::kLanes consecutive keys at p
+// and gives the centroids of their low nibbles (dim c) and high nibbles (dim c + D/2). Table lookups are exact.
+template <class V> struct CodeTable;
+#if defined(__AVX512F__)
+template <> struct CodeTable<F32x16> {
+  __m512 table;
+  explicit CodeTable(const float* cents) : table(_mm512_loadu_ps(cents)) {}
+  void at(const uint8_t* p, __m512& lo, __m512& hi) const {   // vpermps reads only the low 4 bits: no nibble mask
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_permutexvar_ps(x, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), table);
+  }
+};
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+template <> struct CodeTable<F32x8> {
+  Table16 table;
+  explicit CodeTable(const float* cents) : table(cents) {}
+  void at(const uint8_t* p, __m256& lo, __m256& hi) const {
+    const __m256i x = load8_codes(p);
+    lo = table(x);
+    hi = table(_mm256_srli_epi32(x, 4));
+  }
+};
+#endif
+template <> struct CodeTable<F32x1> {
+  const float* cents;
+  explicit CodeTable(const float* c) : cents(c) {}
+  void at(const uint8_t* p, float& lo, float& hi) const {
+    lo = cents[*p & 0xF];
+    hi = cents[*p >> 4];
+  }
+};
+
+// Register tile: NT rows x NK vectors of V's lanes, keys k0.. of a key block ([D/2, KW] bytes, byte c of key j
+// holding dims c (low nibble) and c + D/2 (high nibble)), times the keys' scales ks: per lane, for each c in order,
+// acc += q[c] * k[c] then acc += q[c + h] * k[c + h] (two FMAs; on one lane a multiply and an add each).
+template <class V, int NT, int NK, int KW>
+inline void score_tile(const RowBlock& rb, int r0, const uint8_t* kb, const float* ks, int64_t D,
+                       const CodeTable<V>& table, float (*out)[kMaxKW], int k0) {
+  using R = typename V::reg;
+  const int64_t h = D / 2;
+  R acc[NT][NK];
+#pragma GCC unroll 8
+  for (int i = 0; i < NT; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < NK; ++v) acc[i][v] = V::zero();
+  for (int64_t c = 0; c < h; ++c) {
+    R klo[NK], khi[NK];
+#pragma GCC unroll 2
+    for (int v = 0; v < NK; ++v) table.at(kb + c * KW + k0 + V::kLanes * v, klo[v], khi[v]);
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) {
+      const R ql = V::set1(rb.q[r0 + i][c]), qh = V::set1(rb.q[r0 + i][c + h]);
+#pragma GCC unroll 2
+      for (int v = 0; v < NK; ++v) acc[i][v] = V::fmadd(qh, khi[v], V::fmadd(ql, klo[v], acc[i][v]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NT; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < NK; ++v)
+      V::store(out[i] + k0 + V::kLanes * v, V::mul(acc[i][v], V::load(ks + k0 + V::kLanes * v)));
+}
+
+// Raw scores of one key block (KW keys) for NR rows straight from the nibble codes, in tiles of this width's
+// shape: AVX-512 all NR (<= 8) rows x KW / 16 vectors; AVX2 3 rows x 16 keys (16 ymm with the table and the
+// decoded keys); one lane, 1 row x the block's keys. The same chain per score whatever the tile.
 template <int NR, int KW>
 inline void score_codes(const RowBlock& rb, int r0, const uint8_t* kb, const float* ks, int64_t D,
                         const float* cents, float (*out)[kMaxKW]) {
-  const int64_t h = D / 2;
-#if defined(__AVX512F__)
-  constexpr int V = KW / 16;
-  const __m512 table = _mm512_loadu_ps(cents);
-  __m512 acc[NR][V];
-#pragma GCC unroll 8
-  for (int i = 0; i < NR; ++i)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < h; ++c) {
-    __m512 klo[V], khi[V];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) {   // vpermps reads only the low 4 bits of each index: no nibble mask
-      const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kb + c * KW + 16 * v)));
-      klo[v] = _mm512_permutexvar_ps(x, table);
-      khi[v] = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), table);
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < NR; ++i) {
-      const __m512 ql = _mm512_set1_ps(rb.q[r0 + i][c]), qh = _mm512_set1_ps(rb.q[r0 + i][c + h]);
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(qh, khi[v], _mm512_fmadd_ps(ql, klo[v], acc[i][v]));
-    }
+  using V = VN;
+  constexpr int W = V::kLanes;
+  constexpr int NT = W == 16 ? NR : W == 8 ? 3 : 1;   // rows per tile
+  constexpr int KT = W == 8 ? 16 : KW;                // keys per tile
+  const CodeTable<V> table(cents);
+  for (int k0 = 0; k0 < KW; k0 += KT) {
+    for (int t = 0; t + NT <= NR; t += NT) score_tile<V, NT, KT / W, KW>(rb, r0 + t, kb, ks, D, table, out + t, k0);
+    if constexpr (NR % NT != 0)
+      score_tile<V, NR % NT, KT / W, KW>(rb, r0 + NR / NT * NT, kb, ks, D, table, out + NR / NT * NT, k0);
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < NR; ++i)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) _mm512_store_ps(out[i] + 16 * v, _mm512_mul_ps(acc[i][v], _mm512_loadu_ps(ks + 16 * v)));
-#elif defined(__AVX2__) && defined(__FMA__)
-  const Table16 table(cents);
-  for (int k0 = 0; k0 < KW; k0 += 16) {
-    for (int t = 0; t + 3 <= NR; t += 3) score_codes_tile8<3>(rb, r0 + t, kb + k0, ks + k0, KW, D, table, out + t, k0);
-    if constexpr (NR % 3 != 0)
-      score_codes_tile8<NR % 3>(rb, r0 + NR / 3 * 3, kb + k0, ks + k0, KW, D, table, out + NR / 3 * 3, k0);
-  }
-#else
-  for (int i = 0; i < NR; ++i)
-    for (int l = 0; l < KW; ++l) {
-      float s = 0.f;
-      for (int64_t c = 0; c < h; ++c) {
-        const uint8_t byte = kb[c * KW + l];
-        s += rb.q[r0 + i][c] * cents[byte & 0xF];
-        s += rb.q[r0 + i][c + h] * cents[byte >> 4];
-      }
-      out[i][l] = s * ks[l];
-    }
-#endif
 }
 
 template <int KW>
@@ -484,23 +484,20 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
                               const at::Tensor& query_start_loc_in, const at::Tensor& seq_lens_in, const at::Tensor& R,
                               const at::Tensor& cents_in, double scale) {
   check_float_dtype(q_in, "q");
-  auto q = q_in.contiguous();
-  auto bt = block_tables_in.to(at::kInt).contiguous();
-  auto qsl = query_start_loc_in.to(at::kInt).contiguous();
-  auto lens = seq_lens_in.to(at::kInt).contiguous();
+  PagedBatch b(q_in, block_tables_in, query_start_loc_in, seq_lens_in);
   auto cents = cents_in.contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), hd = D / 2;
+  const int64_t H = b.H, D = b.D, hd = D / 2;
   const int64_t KVH = k_codes.size(1), KW = k_codes.size(4), S = k_codes.size(2) * KW;
   check_codebook(R, cents, D);
   TORCH_CHECK(KW == key_block_width(S), "k_codes key blocks do not match the page size");
   TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxRows, "unsupported GQA group size");
-  const int G = static_cast<int>(H / KVH);
-  auto out = at::empty_like(q);
-  if (T == 0) return out;
-  const int32_t* qs = qsl.data_ptr<int32_t>();
-  const int32_t* ls = lens.data_ptr<int32_t>();
-  const auto items = make_items(qs, lens.size(0), KVH, G);
-  const int64_t max_pages = bt.size(1);
+  auto out = b.plan(KVH);
+  if (b.T == 0) return out;
+  const int G = b.G;
+  const int32_t* qs = b.qsl();
+  const int32_t* ls = b.lens();
+  const auto& items = b.items;
+  const int64_t max_pages = b.max_pages;
   const float* Rp = R.data_ptr<float>();
   const auto RT = R.t().contiguous();
   const float* RTp = RT.data_ptr<float>();
@@ -510,8 +507,8 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
   const float* ksp = k_scales.data_ptr<float>();
   const float* vsp = v_scales.data_ptr<float>();
   const float sm = static_cast<float>(scale);
-  QK_DISPATCH_FLOAT(q.scalar_type(), "tq_paged_attention", [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
+  QK_DISPATCH_FLOAT(b.q.scalar_type(), "tq_paged_attention", [&] {
+    const scalar_t* qp = b.q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     for_each_item(static_cast<int64_t>(items.size()), [&](int64_t it, RowBlock& rb) {
       const WorkItem& w = items[it];
@@ -562,7 +559,7 @@ at::Tensor tq_paged_attention(const at::Tensor& q_in, const at::Tensor& k_codes,
 #endif
         return values;
       };
-      attend_rows(rb, bt.data_ptr<int32_t>() + w.seq * max_pages, S, D, sm, score, values,
+      attend_rows(rb, b.tables() + w.seq * max_pages, S, D, sm, score, values,
                   [&](int64_t page) { next_page = page; });
       store_rows(rb, w, G, H, D, op,   // de-rotate once per head and step
                  [&](const float* src, float* dst, int64_t n) { unrotate_row(src, RTp, n, dst); });
