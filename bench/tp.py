@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -53,6 +54,13 @@ def _rank(args) -> dict | None:
     torch.set_num_threads(args.threads)
     dev = torch.device("cpu")
     group = TPGroup.from_env(dev) if args.tp > 1 else TPGroup()
+    if group.size > 1 and not args.no_shm:   # every rank on this host (launch): collectives in shared memory
+        from backend_lib.checkpoint import ModelConfig
+        from backend_lib.parallel.group import shm_slot_bytes
+
+        group.enable_shm(f"qwen3-tp-{os.environ['MASTER_PORT']}",
+                         shm_slot_bytes(args.context * max(args.batches),
+                                        ModelConfig.from_dir(args.checkpoint).hidden_size))
     dtype = parse_dtype("bfloat16", dev)
     kernels = get_kernels(dev, "auto")
     max_len = args.context + args.steps + 8
@@ -88,6 +96,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="TP = 1's threads; each TP = 2 rank gets threads / 2")
     ap.add_argument("--tp", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--no-shm", action="store_true", help="collectives through gloo only (no shared memory)")
     ap.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     raw = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(raw)
@@ -100,7 +109,7 @@ def main(argv=None) -> None:
     from backend_lib.parallel.check import launch
 
     base = ["--checkpoint", args.checkpoint, "--batches", ",".join(map(str, args.batches)), "--steps",
-            str(args.steps), "--context", str(args.context)]
+            str(args.steps), "--context", str(args.context), *(["--no-shm"] if args.no_shm else [])]
     best: dict[str, dict] = {}
     for r in range(args.rounds):
         for tp in ((1, 2) if r % 2 == 0 else (2, 1)):

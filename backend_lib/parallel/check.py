@@ -65,6 +65,13 @@ def _rank(args) -> dict | None:
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     group = TPGroup.from_env(device) if args.tp > 1 else TPGroup()
+    if group.size > 1 and not args.no_shm:   # every rank on this host (launch): collectives in shared memory
+        from ..checkpoint import ModelConfig
+        from .group import shm_slot_bytes
+
+        tokens = max(map(len, args.prompts)) * len(args.prompts)
+        group.enable_shm(f"qwen3-tp-{os.environ['MASTER_PORT']}",
+                         shm_slot_bytes(tokens, ModelConfig.from_dir(args.checkpoint).hidden_size))
     kernels = get_kernels(device, args.kernels)
     max_len = max(map(len, args.prompts)) + args.max_tokens
     page = 16
@@ -146,6 +153,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layer-loop", action="store_true", help="TP = 1: the one-region decode loop where it applies")
+    ap.add_argument("--no-shm", action="store_true", help="collectives through gloo only (no shared memory)")
     ap.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     raw = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(raw)

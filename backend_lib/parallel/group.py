@@ -23,12 +23,34 @@ def backend_for(device: torch.device | str) -> str:
     return BACKENDS[kind]
 
 
+def shm_slot_bytes(tokens: int, hidden: int, cap: int = 16 << 20) -> int:
+    """A slot holding one step's row-parallel partial sums ([tokens, hidden] int32 / fp32), at most cap bytes (a
+    larger message goes through the backend)."""
+    return min(cap, tokens * hidden * 4)
+
+
 @dataclass
 class TPGroup:
     """rank / size of this process in its tensor-parallel group; size 1 is the unsharded model (no collectives)."""
     rank: int = 0
     size: int = 1
     group: object = None
+    shm: object = None      # ShmExchange: the ranks of one host exchange small tensors through shared memory
+
+    def enable_shm(self, name: str, slot_bytes: int, timeout_s: float = 120.0) -> None:
+        """Collectives that fit slot_bytes go through shared memory (parallel/shm.py); rank 0 creates the file
+        and every rank opens it after a barrier. Only for ranks on one host."""
+        from .shm import ShmExchange
+
+        path = f"/dev/shm/{name}"
+        if self.rank == 0:
+            self.shm = ShmExchange(path, 0, self.size, slot_bytes, True, timeout_s)
+        dist.barrier(group=self.group)
+        if self.rank != 0:
+            self.shm = ShmExchange(path, self.rank, self.size, slot_bytes, False, timeout_s)
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            os.unlink(path)     # the mappings stay; nothing is left in /dev/shm whatever happens next
 
     @classmethod
     def init(cls, rank: int, size: int, master_addr: str, master_port: int, device="cpu",
@@ -52,12 +74,24 @@ class TPGroup:
                         device, timeout_s)
 
     def all_reduce_max_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None and self.shm.fits(t):
+            parts = self.shm.exchange(t)
+            out = parts[0].clone()
+            for p in parts[1:]:
+                torch.maximum(out, p, out=out)
+            return t.copy_(out)
         if self.size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t
 
     def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         """In place; exact for integer tensors (the A8W8 partial sums)."""
+        if self.shm is not None and self.shm.fits(t):
+            parts = self.shm.exchange(t)
+            out = parts[0].clone()
+            for p in parts[1:]:
+                out += p
+            return t.copy_(out)
         if self.size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
@@ -66,6 +100,8 @@ class TPGroup:
         """Every rank's tensor of the same shape, in rank order."""
         if self.size == 1:
             return [t]
+        if self.shm is not None and self.shm.fits(t):
+            return [p.clone() for p in self.shm.exchange(t)]
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return parts
@@ -84,5 +120,8 @@ class TPGroup:
         return t if self.size == 1 else torch.cat(self.all_gather(t), dim=dim)
 
     def destroy(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -30,7 +30,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from .group import TPGroup, backend_for
+from .group import TPGroup, backend_for, shm_slot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +207,9 @@ def start(cfg, model_config, scheme, device, dtype, kernels, max_model_len: int)
     try:
         group = TPGroup.init(0, size, addr, port, device, timeout_s=MODEL_TIMEOUT_S)
         control = _groups(group)
+        if procs and device.type == "cpu":   # the ranks share this host: collectives through shared memory
+            group.enable_shm(f"qwen3-tp-{port}", shm_slot_bytes(cfg.max_num_batched_tokens, model_config.hidden_size),
+                             MODEL_TIMEOUT_S)
         dist.broadcast(torch.tensor([max_model_len, *_agreed(cfg)], dtype=torch.int64), src=0)
         model = load_sharded(WeightStore(cfg.checkpoint), model_config, scheme, dtype, device, kernels,
                              max_model_len, group)
@@ -283,6 +286,10 @@ def worker_main(cfg) -> None:
         raise ValueError(f"tensor_parallel_size: WORLD_SIZE is {group.size}, the model's configuration says "
                          f"{cfg.tensor_parallel_size}")
     control = _groups(group)
+    mc = ModelConfig.from_dir(cfg.checkpoint)
+    if os.environ.get("QWEN3_TP_PARENT") and device.type == "cpu":   # started by rank 0 on its host
+        group.enable_shm(f"qwen3-tp-{os.environ['MASTER_PORT']}",
+                         shm_slot_bytes(cfg.max_num_batched_tokens, mc.hidden_size), MODEL_TIMEOUT_S)
     head = torch.zeros(1 + len(AGREED), dtype=torch.int64)
     dist.broadcast(head, src=0)
     max_model_len, *theirs = head.tolist()
@@ -290,7 +297,6 @@ def worker_main(cfg) -> None:
         if mine != rank0:
             raise ValueError(f"tensor parallel rank {group.rank}: {name} differs from rank 0's "
                              f"(this rank's configuration and rank 0's must agree)")
-    mc = ModelConfig.from_dir(cfg.checkpoint)
     kernels = get_kernels(device, cfg.kernels, cfg.kernel_cache_dir)
     model = load_sharded(WeightStore(cfg.checkpoint), mc, parse_quantization_config(mc.quantization_config), dtype,
                          device, kernels, max_model_len, group, with_head=False)
