@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from dashboard_helpers import SPEC_PREFIX, dashboard, exported_sample_names, metric_names, queries
 from helpers import SERVER_ENGINE, collect
 from harness.triton_server import TritonServer, make_repository
 
@@ -90,3 +91,18 @@ def test_served_grammar_stop_strings_and_n_choices_equal_speculation_off(server)
     assert stop not in _text(on[2])
     # n choices stream interleaved (arrival order differs between two runs): the same ids, 3 x 48 of them
     assert sorted(_ids(on[3])) == sorted(_ids(off[3])) and len(_ids(on[3])) == 3 * 48
+
+
+def test_the_dashboards_speculative_decoding_panel_names_exported_counters(server):
+    """deploy/grafana's spec_decode queries select counters this server exports for the speculating model (the
+    dashboard's other queries are checked by tests/test_dashboard.py against the plain server)."""
+    import re
+
+    collect(server.grpc_url, "qwen3_spec", prompt=PROMPTS[0], sampling_parameters=GREEDY)
+    page = server.metrics()
+    exported = exported_sample_names(page)
+    names = {n for _, e in queries(dashboard()) for n in metric_names(e) if n.startswith(SPEC_PREFIX)}
+    assert len(names) == 4, names
+    for name in names:
+        assert name in exported, name
+        assert re.search(rf'^{re.escape(name)}\{{[^}}]*model="qwen3_spec"', page, re.M), name
