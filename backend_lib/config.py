@@ -25,6 +25,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None       # default: the checkpoint's positions, capped by what the KV pool holds
     max_num_batched_tokens: int = 512      # prefill chunk budget per step
+    # prompt rows scored (prompt_logprobs: full-vocabulary logits per row) per step, over all sequences: a big
+    # scoring request is chunked within it, the rest of the step's budget stays with the other requests
+    max_scoring_tokens_per_step: int = 128
     default_max_tokens: int = 256
     max_waiting_requests: int = 256        # beyond this, new requests are refused at once (UNAVAILABLE)
     enable_prefix_caching: bool = True     # full KV pages cached by content and reused by later prompts
@@ -67,8 +70,8 @@ class EngineConfig:
                 kwargs[key] = value
             else:
                 raise ValueError(f"parameter {key!r} is not known (known: {', '.join(sorted(known | limit_names))})")
-        for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens", "tq_seed",
-                    "max_model_len", "num_threads", "max_waiting_requests", "max_loras", "max_lora_rank",
+        for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_scoring_tokens_per_step",
+                    "default_max_tokens", "tq_seed", "max_model_len", "num_threads", "max_waiting_requests", "max_loras", "max_lora_rank",
                     "tensor_parallel_size"):
             if key in kwargs and kwargs[key] not in (None, ""):
                 kwargs[key] = _to_int(key, kwargs[key])
@@ -120,8 +123,8 @@ class EngineConfig:
             raise ValueError("checkpoint: no checkpoint folder configured")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache: {self.kv_cache!r} is not one of {', '.join(KV_CACHE_KINDS)}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens",
-                     "max_waiting_requests"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_scoring_tokens_per_step",
+                     "default_max_tokens", "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.page_size > 1024 or self.page_size % 16:

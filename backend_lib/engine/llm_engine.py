@@ -93,7 +93,7 @@ class LLMEngine:
                                      roots=cfg.lora_roots)
         self.block_manager = BlockManager(self.runner.kv_cache.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.scheduling_policy)
+                                   cfg.scheduling_policy, cfg.max_scoring_tokens_per_step)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.end_ids = set(self.tokenizer.end_token_ids) | set(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
