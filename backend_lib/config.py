@@ -159,8 +159,7 @@ class EngineConfig:
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size: must be in [1, 64], got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1:
-            for name, on in (("enable_lora / lora_modules", self.lora_enabled), ("lm_head_quant: int8",
-                             self.lm_head_quant != "checkpoint"), ("cpu_share", bool(self.cpu_share))):
+            for name, on in (("cpu_share", bool(self.cpu_share)),):
                 if on:
                     raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} with {name} is not "
                                      "supported yet (use tensor_parallel_size: 1)")

@@ -55,7 +55,10 @@ class ModelRunner:
             from ..lora.layer import LoraContext, attach
 
             self.lora_ctx = LoraContext()
-            attach(self.model, self.lora_ctx, kernels)
+            if self.tp is not None:   # each rank's shard of the adapters (parallel/lora.py)
+                self.model.attach_lora(self.lora_ctx, kernels)
+            else:
+                attach(self.model, self.lora_ctx, kernels)
         # decode replayed from CUDA graphs: the Triton set only (its KV writes skip the padding rows)
         self.graphs = None
         if cfg.cuda_graphs and device.type == "cuda" and kernels.name == "triton":
