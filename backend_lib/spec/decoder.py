@@ -103,6 +103,10 @@ def make_proposer(cfg: SpeculativeConfig, ctx: ProposerContext | None = None) ->
     """The configured method's proposer (ctx: what a model-based one needs)."""
     if cfg.method == "ngram":
         return NgramMethod(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "draft_model":
+        from .draft_model import DraftModelMethod
+
+        return DraftModelMethod(cfg.num_speculative_tokens, cfg.model, ctx)
     raise ValueError(f"speculative_config.method: {cfg.method!r} has no proposer")
 
 
