@@ -84,6 +84,10 @@ class EngineConfig:
                     "lora_roots", "speculative_config"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
+        if kwargs.get("speculative_config"):   # a draft model's folder, relative to the model's as the checkpoint
+            from .spec.config import resolve_model_path
+
+            kwargs["speculative_config"] = resolve_model_path(kwargs["speculative_config"], base_dir)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
         cfg.validate()
         return cfg.resolve_locations(base_dir)

@@ -1,7 +1,8 @@
-"""Speculative decoding through the real tritonserver: one server with the same checkpoint as two LLM models,
-`qwen3_spec` with speculative_config and `qwen3_plain` without; every stream's ids are compared between them
-(greedy and seeded, alone and concurrent, with a grammar, stop strings, n choices, an opted-out request),
-and the spec_decode counters appear on the metrics page."""
+"""Speculative decoding through the real tritonserver: one server with the same checkpoint as three LLM models,
+`qwen3_spec` with an n-gram speculative_config, `qwen3_draft` with a draft model (the checkpoint itself) and
+`qwen3_plain` without; every stream's ids are compared between them (greedy and seeded, alone and concurrent,
+with a grammar, stop strings, n choices, an opted-out request), and the spec_decode counters appear on the
+metrics page."""
 from __future__ import annotations
 
 import json
@@ -26,6 +27,8 @@ def server(tmp_path_factory, a8w8_ckpt):
     engine = {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt)}
     repo = make_repository(root / "models", {
         "qwen3_spec": {**engine, "speculative_config": json.dumps(SPEC).replace('"', '\\"')},
+        "qwen3_draft": {**engine, "speculative_config": json.dumps(
+            {"method": "draft_model", "model": str(a8w8_ckpt), "num_speculative_tokens": 3}).replace('"', '\\"')},
         "qwen3_plain": engine,
         "qwen3_tokenizer": {"checkpoint": str(a8w8_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]},
     })
@@ -43,12 +46,12 @@ def _text(responses):
     return "".join(t for t, _, _ in responses)
 
 
-def _both(server, jobs):
+def _both(server, jobs, spec_model="qwen3_spec"):
     """Each job (prompt, sampling parameters) on both models, all at once: (spec results, plain results)."""
     def one(args):
         model, (prompt, sp) = args
         return collect(server.grpc_url, model, prompt=prompt, sampling_parameters=sp)
-    work = [("qwen3_spec", j) for j in jobs] + [("qwen3_plain", j) for j in jobs]
+    work = [(spec_model, j) for j in jobs] + [("qwen3_plain", j) for j in jobs]
     with ThreadPoolExecutor(len(work)) as pool:
         res = list(pool.map(one, work))
     return res[:len(jobs)], res[len(jobs):]
@@ -91,6 +94,26 @@ def test_served_grammar_stop_strings_and_n_choices_equal_speculation_off(server)
     assert stop not in _text(on[2])
     # n choices stream interleaved (arrival order differs between two runs): the same ids, 3 x 48 of them
     assert sorted(_ids(on[3])) == sorted(_ids(off[3])) and len(_ids(on[3])) == 3 * 48
+
+
+def test_served_draft_model_ids_equal_speculation_off(server):
+    """method draft_model (the checkpoint drafting for itself, k = 3): greedy and seeded, alone and concurrent,
+    a grammar and a stop string; the draft's acceptance shows on the metrics page."""
+    before = server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_draft")
+    on, off = _both(server, [(PROMPTS[2], GREEDY)], "qwen3_draft")   # alone
+    assert _ids(on[0]) == _ids(off[0]) and len(_ids(on[0])) == 48
+    text = _text(off[0])
+    stop = text[len(text) * 3 // 4:][:3]
+    jobs = [(p, GREEDY) for p in PROMPTS] + [(p, {**SEEDED, "seed": 3 + i}) for i, p in enumerate(PROMPTS)]
+    jobs += [(PROMPTS[3], {"temperature": 0, "max_tokens": 48,
+                           "structured_outputs": {"json": {"type": "array", "items": {"type": "integer"}}}}),
+             (PROMPTS[2], {**GREEDY, "stop": [stop]})]
+    on, off = _both(server, jobs, "qwen3_draft")
+    for a, b in zip(on, off):
+        assert _ids(a) == _ids(b) and _text(a) == _text(b)
+    assert stop not in _text(on[-1])
+    assert server.wait_until(
+        lambda: server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_draft") > before + 48, 5)
 
 
 def test_the_dashboards_speculative_decoding_panel_names_exported_counters(server):

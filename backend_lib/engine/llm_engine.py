@@ -30,7 +30,7 @@ from ..contract.finish import FinishReason
 from ..sampling.params import SamplingParams, bad_words_token_ids
 from ..sampling.sampler import SampleError
 from ..sampling.structured import GrammarCompiler
-from ..spec.decoder import SpecDecoder, VerifyRows
+from ..spec.decoder import ProposerContext, SpecDecoder, VerifyRows, make_proposer
 from ..tokenizer import Tokenizer
 from .messages import EngineStats, Request
 from .model_runner import ModelRunner
@@ -104,7 +104,11 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._offline_ids = itertools.count()
         # [spec] speculative decoding (backend_lib/spec), when the model's speculative_config asks for it
-        self.spec = SpecDecoder(cfg.speculative, self.max_model_len) if cfg.speculative is not None else None
+        self.spec = None
+        if cfg.speculative is not None:
+            ctx = ProposerContext(cfg, mc, self.device, self.dtype, kernels, self.max_model_len, self.runner)
+            self.spec = SpecDecoder(cfg.speculative, self.max_model_len, make_proposer(cfg.speculative, ctx))
+            self.scheduler.on_preempt = self.spec.free
         self.stats = EngineStats(pages_total=self.block_manager.num_pages)
         trim_host_memory()
         log.info("engine ready in %.1fs: max_model_len %d, max_num_seqs %d, %d KV pages of %d", time.time() - t0,
@@ -278,6 +282,8 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
         self.scheduler.remove(seq)
+        if self.spec is not None:   # [spec] what its proposer holds for it (a draft model's pages)
+            self.spec.free(seq)
 
     def publish_stats(self, **increments) -> None:
         """Publishes a new stats snapshot (an immutable object: readers in other threads see whole ones)."""

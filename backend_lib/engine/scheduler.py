@@ -52,6 +52,7 @@ class Scheduler:
         self.prefix_queries = 0    # tokens of admitted requests looked up in the prefix cache
         self.prefix_hits = 0       # of those, tokens found cached
         self.page_copies: list[tuple[int, int]] = []   # (cached partial page, new page) to copy before this step
+        self.on_preempt = None     # [spec] called with a preempted sequence (its proposer's pages go back too)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -102,6 +103,8 @@ class Scheduler:
         self.running.remove(seq)
         self._drop_copies(seq)
         self.bm.free(seq.block_table)
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
         seq.reset_for_recompute()
         self._enqueue(seq, front=True)
         self.num_preemptions += 1

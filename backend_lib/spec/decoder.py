@@ -1,5 +1,33 @@
 """Speculative decoding whose output is the output of plain decoding, token for token.
 
+THE PROPOSER INTERFACE (what a method implements; all calls in the engine thread)
+
+    class Proposer(Protocol):
+        def new_state(self, seq) -> object            # its per-sequence state, kept on seq.spec_state.proposer
+        def propose(self, rows: list[DraftRow]) -> list[list[int]]
+                                                      # rows: (seq, state, room); up to `room` drafts to follow
+                                                      # seq.tokens for each row, [] for none (one call per step,
+                                                      # all speculating rows together: a model batches them)
+        def commit(self, seq, state, accepted: int)   # after verification: `accepted` of the drafts it proposed
+                                                      # for seq were accepted; seq.tokens now holds them plus the
+                                                      # target's own next token (roll back what lies past them)
+        def free(self, seq, state)                    # seq finished, was aborted or preempted: give back what it
+                                                      # holds (pages of a KV cache of its own); `state` stays on
+                                                      # seq and is reused if seq runs again (after a preemption)
+
+A proposer is free to ignore a hook (n-gram: its index only grows with committed tokens). What it must not
+assume: that commit follows every propose (the scheduler may trim a row's drafts, to none, when the step's
+budget or pages are short; a row whose request ended in the run gets no commit but a free). A proposer with
+its own KV therefore compares what it fed with seq.tokens when it next proposes (or rolls back in commit and
+treats a missing commit as "nothing accepted"). Drafts need not be right: verification is exact whatever they
+are; a proposer that fails raises nothing into the step (it proposes [] for the rows it cannot serve).
+
+SpecDecoder (below) owns the method-independent part: which rows draft (opt-outs, auto-disable,
+disable_by_batch_size, room before max_tokens / max_model_len), the acceptance walk and the commit of the
+target's KV, the counters. `make_proposer(cfg, ctx)` builds the configured method's proposer from a
+ProposerContext (the engine's configuration, the target's model config, device, dtype, kernels and runner).
+Proposers: ngram.NgramMethod (prompt lookup); draft_model (a smaller Qwen3 with its own paged KV cache).
+
 Why it can be exact here: the kernels are batch invariant (backend_lib/kernels/contract.py), so the logits
 of a row depend on that row and its context only. Verifying k drafts is therefore just scheduling the
 sequence with k + 1 new tokens (its last sampled token and the drafts) through the chunked-prefill path
@@ -27,20 +55,65 @@ whose text does not repeat itself costs (almost) nothing; `speculative: "off"` i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ..sampling.params import SPECULATIVE_VALUES  # noqa: F401 (the per-request field `speculative`)
 from .config import SpeculativeConfig
-from .ngram import NgramIndex, NgramProposer
+from .ngram import NgramMethod
 
 PAUSE_MIN, PAUSE_MAX = 32, 1024
 
 
 @dataclass
+class DraftRow:
+    """One speculating sequence of this step, as the proposer sees it: the sequence (its tokens are prompt +
+    output so far), its proposer state, and how many drafts it may take (>= 1)."""
+    seq: object
+    state: object
+    room: int
+
+
+class Proposer(Protocol):
+    """See the module docstring."""
+
+    def new_state(self, seq) -> object: ...
+
+    def propose(self, rows: list[DraftRow]) -> list[list[int]]: ...
+
+    def commit(self, seq, state, accepted: int) -> None: ...
+
+    def free(self, seq, state) -> None: ...
+
+
+@dataclass
+class ProposerContext:
+    """What a model-based proposer is built from (the engine builds it, in the engine thread)."""
+    engine_config: object = None     # backend_lib.config.EngineConfig
+    model_config: object = None      # the target's checkpoint.ModelConfig (vocab_size, ...)
+    device: object = None
+    dtype: object = None
+    kernels: object = None
+    max_model_len: int = 0
+    runner: object = None            # the target's ModelRunner (a method reading the target's hidden states)
+
+
+def make_proposer(cfg: SpeculativeConfig, ctx: ProposerContext | None = None) -> Proposer:
+    """The configured method's proposer (ctx: what a model-based one needs)."""
+    if cfg.method == "ngram":
+        return NgramMethod(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "draft_model":
+        from .draft_model import DraftModelMethod
+
+        return DraftModelMethod(cfg.num_speculative_tokens, cfg.model, ctx)
+    raise ValueError(f"speculative_config.method: {cfg.method!r} has no proposer")
+
+
+@dataclass
 class SpecState:
     """One request's speculation state (on Sequence.spec_state)."""
-    index: NgramIndex
+    proposer: object               # the proposer's own per-sequence state (Proposer.new_state)
     window_drafted: int = 0
     window_accepted: int = 0
     paused_until: int = 0          # no drafts before the request has this many output tokens
@@ -66,21 +139,23 @@ class VerifyRows:
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int):
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
+        """proposer: built by make_proposer(cfg) when not given (the engine gives it, with its context)."""
         self.cfg = cfg
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.proposer = proposer if proposer is not None else make_proposer(cfg)
         self.counters = SpecCounters(accepted_per_pos=[0] * cfg.num_speculative_tokens)
 
     # ----- before the schedule: drafts ----------------------------------------------------------------
     def state(self, seq) -> SpecState:
         if seq.spec_state is None:
-            seq.spec_state = SpecState(self.proposer.new_index())
+            seq.spec_state = SpecState(self.proposer.new_state(seq))
         return seq.spec_state
 
     def propose(self, running) -> None:
         """Sets seq.spec_tokens (possibly []) for every running sequence: drafts for those that decode."""
         off = self.cfg.disable_by_batch_size is not None and len(running) >= self.cfg.disable_by_batch_size
+        rows = []
         for seq in running:
             seq.spec_tokens = []
             if off or seq.num_pending != 1 or seq.failure is not None or seq.params.speculative == "off":
@@ -93,7 +168,10 @@ class SpecDecoder:
             room = min(self.cfg.num_speculative_tokens, seq.max_tokens - n_out - 1,
                        self.max_model_len - seq.num_tokens - 1)
             if room > 0:
-                seq.spec_tokens = self.proposer.propose(seq.tokens, st.index, room)
+                rows.append(DraftRow(seq, st.proposer, room))
+        if rows:
+            for row, drafts in zip(rows, self.proposer.propose(rows)):
+                row.seq.spec_tokens = list(drafts[:row.room])
 
     @staticmethod
     def grant(seq, n: int, spare_tokens: int, bm, reserve_pages: int) -> int:
@@ -145,10 +223,10 @@ class SpecDecoder:
         self._count(seq, k, accepted)
         return outputs, accepted
 
-    @staticmethod
-    def commit(seq, accepted: int, bm) -> None:
+    def commit(self, seq, accepted: int, bm) -> None:
         """The accepted drafts' KV become the sequence's (the engine has counted its last token already);
-        pages holding only rejected positions go back to the pool."""
+        pages holding only rejected positions go back to the pool; the proposer rolls back its own."""
+        self.proposer.commit(seq, self.state(seq).proposer, accepted)
         seq.num_computed += accepted
         seq.spec_tokens = []
         keep = bm.pages_for(seq.num_tokens)
@@ -156,6 +234,11 @@ class SpecDecoder:
             tail = seq.block_table[keep:]
             del seq.block_table[keep:]
             bm.free(tail)
+
+    def free(self, seq) -> None:
+        """seq finished, was aborted or preempted: the proposer gives back what it holds for it."""
+        if seq.spec_state is not None:
+            self.proposer.free(seq, seq.spec_state.proposer)
 
     def _count(self, seq, k: int, accepted: int) -> None:
         c = self.counters

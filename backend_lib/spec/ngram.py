@@ -63,3 +63,23 @@ def propose_ngram(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -
     """One-shot form of NgramProposer.propose (tests, tools)."""
     prop = NgramProposer(k, lookup_min, lookup_max)
     return prop.propose(tokens, prop.new_index())
+
+
+class NgramMethod:
+    """The n-gram proposer behind spec.decoder's Proposer interface: its state is the sequence's NgramIndex
+    (committed tokens only, so nothing to roll back or free)."""
+
+    def __init__(self, k: int, lookup_min: int, lookup_max: int):
+        self.ngram = NgramProposer(k, lookup_min, lookup_max)
+
+    def new_state(self, seq) -> NgramIndex:
+        return self.ngram.new_index()
+
+    def propose(self, rows) -> list[list[int]]:
+        return [self.ngram.propose(r.seq.tokens, r.state, r.room) for r in rows]
+
+    def commit(self, seq, state, accepted: int) -> None:
+        pass
+
+    def free(self, seq, state) -> None:
+        pass
