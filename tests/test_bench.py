@@ -106,3 +106,35 @@ def test_llamacpp_commands_and_parsing(tmp_path):
     md = (tmp_path / "table.md").read_text()
     assert "| engine A8W8 | 40.0 (1.25x) | 512.0 (2.00x) |" in md
     assert "| llama.cpp Q8_0 | 32.0 | 256.0 |" in md
+
+
+def test_the_soak_report_fails_on_growth_past_its_bound_or_an_unaccounted_request_and_passes_flat_ones():
+    """bench.soak's verdict (its traffic and server are not run here): per process, the medians of the first and last
+    thirds after the warm-up; growth past both the % and the MiB bound, or past the fd bound, fails; so does a
+    request without an outcome, an unexpected one, a KV page in use or a process gone."""
+    import argparse
+
+    from bench.soak import Traffic, report
+
+    args = argparse.Namespace(minutes=1.0, rate=4.0, concurrency=4, size="tiny", sample_s=1.0, rss_bound_pct=10.0,
+                              rss_bound_mib=32.0, fd_bound=16)
+
+    def traffic(sent=10, ok=10):
+        t = Traffic("http://unused", [])
+        t.sent["stream"], t.outcomes[("stream", "ok")] = sent, ok
+        return t
+
+    flat = {"front": [(t, 90.0 + (t % 2), 16) for t in range(60)]}
+    leak = {"stub qwen3_a8w8": [(t, 400.0 + 2 * t, 7) for t in range(60)]}        # +68 MiB, 15 %: over both bounds
+    small = {"stub qwen3_a8w8": [(t, 400.0 + t / 3, 7) for t in range(60)]}       # +13 MiB: under the MiB bound
+    fds = {"front": [(t, 90.0, 16 + t) for t in range(60)]}
+    ok = report(args, traffic(), flat, 60.0, 10.0, 0, True)
+    assert ok["ok"] and "within every bound" in ok["report"] and "| front | 90." in ok["report"]
+    assert report(args, traffic(), small, 60.0, 10.0, 0, True)["ok"]
+    for samples, t, pages, alive, words in ((leak, traffic(), 0, True, "stub qwen3_a8w8: RSS"),
+                                            (fds, traffic(), 0, True, "front: RSS"),
+                                            (flat, traffic(ok=9), 0, True, "1 requests without an outcome"),
+                                            (flat, traffic(), 3, True, "3 KV pages"),
+                                            (flat, traffic(), 0, False, "exited")):
+        result = report(args, t, samples, 60.0, 10.0, pages, alive)
+        assert not result["ok"] and any(words in f for f in result["failures"]), result["failures"]
