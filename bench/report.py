@@ -166,7 +166,8 @@ def _moe_table(rows: list[dict]) -> list[str]:
     for r in summ:
         md.append(f"| {r['system']} | " + " | ".join(f"{dec.get((r['system'], b), 0):.1f}" for b in batches)
                   + f" | {r['bytes_per_token']['total'] / 1e6:.1f} MB | {r['floor_tokens_per_s']:.1f} | "
-                  + f"{r.get('vs_floor_b1', 0):.2f} | " + " | ".join(f"{r[f'vs_llamacpp_b{b}']:.2f}" for b in batches)
+                  + f"{r.get('vs_floor_b1', 0):.2f} | " + " | ".join(f"{r[f'vs_llamacpp_b{b}']:.2f}"
+                                                            if f"vs_llamacpp_b{b}" in r else "-" for b in batches)
                   + " |")
     others = sorted({s for s, _ in dec} - {r["system"] for r in summ})
     for name in others:
