@@ -126,6 +126,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="1GiB", help="--checkpoint: the KV pool")
     ap.add_argument("--triton", action="store_true", help="--checkpoint: stream through tritonserver instead")
     ap.add_argument("--group", action="store_true", help="the interleaved MoE group beside llama.cpp")
+    ap.add_argument("--size", default="30b-a3b", choices=("30b-a3b", "tiny-moe"),
+                    help="--group: the shape (tiny-moe: a smoke run of the whole group)")
     ap.add_argument("--rounds", type=int, default=3, help="--group: interleaved rounds (each figure their median)")
     ap.add_argument("--layers", type=int, default=4, help="--group: decoder layers of the 30B-A3B shape")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -136,7 +138,7 @@ def main() -> None:
         from .moe_group import run_group
 
         run_group(args.layers, args.rounds, [int(v) for v in args.batch.split(",")], args.prompt_len,
-                  args.new_tokens, args.out)
+                  args.new_tokens, args.out, args.size)
         return
     if args.checkpoint and args.triton:
         triton_stream(args.checkpoint, kv_cache_memory=args.kv_cache_memory)

@@ -30,19 +30,20 @@ SIZE = "30b-a3b"
 PAIRS = (("A8W8", "a8w8", "q8_0"), ("W4A16", "w4a16", "q4_0"))   # engine format, checkpoint, llama.cpp quant
 
 
-def checkpoint_dir(layers: int, fmt: str) -> Path:
-    return ROOT / "demo_checkpoints" / f"qwen3-{SIZE}-l{layers}-{fmt}"
+def checkpoint_dir(layers: int, fmt: str, size: str = SIZE) -> Path:
+    return ROOT / "demo_checkpoints" / f"qwen3-{size}-l{layers}-{fmt}"
 
 
-def ensure_checkpoints(layers: int, formats=("bf16", "a8w8", "w4a16")) -> dict[str, Path]:
+def ensure_checkpoints(layers: int, formats=("bf16", "a8w8", "w4a16"), size: str = SIZE) -> dict[str, Path]:
+    """size: 30b-a3b (the bench), tiny-moe (a smoke run of the whole group in a minute)."""
     out = {}
     for fmt in formats:
-        path = checkpoint_dir(layers, fmt)
+        path = checkpoint_dir(layers, fmt, size)
         if not (path / "config.json").is_file():
-            log(f"building the {SIZE} ({layers} layers) {fmt} demo checkpoint")
-            extra = ["--group-size", "128"] if fmt == "w4a16" else []
+            log(f"building the {size} ({layers} layers) {fmt} demo checkpoint")
+            extra = ["--group-size", "128" if size == SIZE else "32"] if fmt == "w4a16" else []
             subprocess.run(["nice", "-n", "10", sys.executable, "-m", "backend_lib.tools.make_demo_checkpoint",
-                            str(path), "--size", SIZE, "--layers", str(layers), "--format", fmt, "--overwrite", *extra],
+                            str(path), "--size", size, "--layers", str(layers), "--format", fmt, "--overwrite", *extra],
                            cwd=ROOT, check=True)
         out[fmt] = path
     return out
@@ -57,16 +58,16 @@ def _w_bytes(fmt: str, n: int, k: int, group: int = 128) -> int:
     return 2 * n * k
 
 
-def bytes_per_token(cfg: dict, fmt: str, context: int, head_int8: bool = True) -> dict[str, int]:
+def bytes_per_token(cfg: dict, fmt: str, context: int, head_int8: bool = True, group: int = 128) -> dict[str, int]:
     """What one batch-1 decode token reads, by part, at `context` tokens in the KV cache (bf16)."""
     h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     nh, kvh, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     inter, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     e = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
-    attn = _w_bytes(fmt, (nh + 2 * kvh) * d, h) + _w_bytes(fmt, h, nh * d) + 2 * (2 * h + 2 * d)
+    attn = _w_bytes(fmt, (nh + 2 * kvh) * d, h, group) + _w_bytes(fmt, h, nh * d, group) + 2 * (2 * h + 2 * d)
     kv = context * kvh * d * 2 * 2
     router = 2 * e * h
-    experts = k * (_w_bytes(fmt, 2 * inter, h) + _w_bytes(fmt, h, inter))
+    experts = k * (_w_bytes(fmt, 2 * inter, h, group) + _w_bytes(fmt, h, inter, group))
     vocab = cfg["vocab_size"]
     head = vocab * h + 8 * vocab if head_int8 else 2 * vocab * h
     return {"attention": layers * attn, "kv": layers * kv, "router": layers * router, "experts": layers * experts,
@@ -74,8 +75,8 @@ def bytes_per_token(cfg: dict, fmt: str, context: int, head_int8: bool = True) -
 
 
 def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new_tokens: int,
-              out: str | None = None) -> list[dict]:
-    ck = ensure_checkpoints(layers)
+              out: str | None = None, size: str = SIZE) -> list[dict]:
+    ck = ensure_checkpoints(layers, size=size)
     ggufs = llamacpp.installed(ck["bf16"], quants=("q8_0", "q4_0"), need_bf16=False)
     if ggufs is None and all(llamacpp.binary(t).is_file() for t in llamacpp.TARGETS):
         ggufs = llamacpp.convert(ck["bf16"], quants=("q8_0", "q4_0"), keep_bf16=False)
@@ -115,6 +116,8 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
         for w in systems.values():
             w.close()
     cfg = json.loads((ck["a8w8"] / "config.json").read_text())
+    w4cfg = json.loads((ck["w4a16"] / "config.json").read_text())
+    group = w4cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] or cfg["hidden_size"]
     gbs = statistics.median(stream)
     rows = []
     med = {key: statistics.median(v) for key, v in decode.items()}
@@ -122,7 +125,7 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
         rows.append({"group": "moe", "system": name, "mode": "decode", "batch": b, "prompt_len": prompt_len,
                      "new_tokens": new_tokens, "layers": layers, "decode_tokens_per_s": v, "runs": decode[(name, b)]})
     for label, fmt, quant in PAIRS:
-        nb = bytes_per_token(cfg, fmt, prompt_len + new_tokens // 2)
+        nb = bytes_per_token(cfg, fmt, prompt_len + new_tokens // 2, group=group)
         floor = gbs * 1e9 / nb["total"]
         eng, cpp = f"engine {label}", f"llama.cpp {quant.upper()}"
         summary = {"group": "moe", "system": eng, "mode": "summary", "format": fmt, "layers": layers,
@@ -135,7 +138,7 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
             summary["vs_floor_b1"] = med[(eng, 1)] / floor
         rows.append(summary)
     (out_dir / "results.json").write_text(json.dumps({"rows": rows}, indent=1))
-    print(f"MoE group: {SIZE} shape, {layers} layers, {rounds} rounds interleaved, {threads} threads; "
+    print(f"MoE group: {size} shape, {layers} layers, {rounds} rounds interleaved, {threads} threads; "
           f"STREAM read {gbs:.1f} GB/s (median); shared host: only these ratios mean anything")
     for row in rows:
         if row["mode"] == "decode":
