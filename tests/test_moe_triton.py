@@ -116,3 +116,28 @@ def test_engine_greedy_with_the_fused_moe_equals_the_reference_set(moe_a8w8_ckpt
         params = eng.make_params({"temperature": 0, "max_tokens": 3, "ignore_eos": True})
         ids_of[kernels] = [r["output_ids"] for r in eng.generate(prompts, params)]
     assert ids_of["triton"] == ids_of["reference"] and len(ids_of["triton"][0]) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_a8w8_moe_at_ragged_widths_equals_the_reference(dtype):
+    """Hidden and expert widths that are no multiple of the tiles (the K masks, the clamped columns): E = 5
+    experts, k = 3, hidden 40, width 24; some experts get no pair."""
+    from backend_lib.kernels.triton.experts import moe_weights
+    from backend_lib.layers.linear import A8W8Linear
+
+    g = torch.Generator().manual_seed(7)
+    e_n, hid, inter, k = 5, 40, 24, 3
+    weights = [(torch.randint(-128, 128, (2 * inter, hid), generator=g, dtype=torch.int8),
+                torch.rand(2 * inter, generator=g) * 0.02,
+                torch.randint(-128, 128, (hid, inter), generator=g, dtype=torch.int8),
+                torch.rand(hid, generator=g) * 0.02) for _ in range(e_n)]
+    ref = [(A8W8Linear(a, b, REFERENCE), A8W8Linear(c, d, REFERENCE)) for a, b, c, d in weights]
+    packed = moe_weights([(A8W8Linear(a, b, TRI), A8W8Linear(c, d, TRI)) for a, b, c, d in weights])
+    assert isinstance(packed, PackedExperts)
+    x = (torch.randn(6, hid, generator=g) * 2).to(dtype)
+    ids = torch.stack([torch.randperm(e_n - 1, generator=g)[:k] for _ in range(6)])     # expert 4 unused
+    w = torch.softmax(torch.randn(6, k, generator=g), -1).to(dtype)
+    with torch.inference_mode():
+        got = TRI.moe_experts(x, ids, w, packed)
+        assert torch.equal(got, REFERENCE.moe_experts(x, ids, w, ref))
+        assert torch.equal(TRI.moe_experts(x[2:3], ids[2:3], w[2:3], packed), got[2:3])
