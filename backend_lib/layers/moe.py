@@ -38,13 +38,15 @@ class Qwen3SparseMoe(nn.Module):
         super().__init__()
         self.gate = router
         self.experts = nn.ModuleList(nn.ModuleList(pair or ()) for pair in experts)
-        # the slot's argument
+        # the slot's argument: the pairs (ExpertPairs, with room for what a set prepares lazily), or the set's
+        # packed form of them (its moe_weights, made once here)
         self.expert_pairs = ExpertPairs(None if pair is None else tuple(pair) for pair in experts)
+        self.moe_weights = kernels.pack_experts(self.expert_pairs)
         self.top_k, self.norm_topk_prob, self.kernels = top_k, norm_topk_prob, kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(self.gate.forward(x), self.top_k, self.norm_topk_prob)
-        return self.kernels.moe_experts(x, ids, weights, self.expert_pairs)
+        ids, weights = (self.kernels.moe_route or route)(self.gate.forward(x), self.top_k, self.norm_topk_prob)
+        return self.kernels.moe_experts(x, ids, weights, self.moe_weights)
 
 
 def load_sparse_moe(store: WeightStore, prefix: str, hidden: int, moe, scheme: QuantScheme | None,
