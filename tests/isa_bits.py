@@ -23,7 +23,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+sys.path.insert(0, str(ROOT))
+# This tool's names for the kernel set's $QWEN3_CPU_ISA builds (backend_lib/kernels/cpu/build.py, ISA_FLAGS: the one
+# home of their flags); "avx512" is the native build of an AVX-512 host.
+ISAS = {"avx512": "native", "avx2vnni": "avx2vnni", "avx2": "avx2", "scalar": "scalar"}
 
 
 def build(csrc: Path, isa: str, cache: Path, build_dir: Path | None = None) -> None:
@@ -33,7 +36,7 @@ def build(csrc: Path, isa: str, cache: Path, build_dir: Path | None = None) -> N
     from backend_lib.kernels.cpu import build as kbuild
 
     sources = sorted(p for p in csrc.iterdir() if p.suffix == ".cpp")
-    flags = kbuild._cflags() + ISA_FLAGS[isa]
+    flags = kbuild._cflags(ISAS[isa])
     h = hashlib.sha256(" ".join(flags).encode())
     for p in sorted(csrc.iterdir()):
         if p.suffix in (".cpp", ".h"):
@@ -257,13 +260,13 @@ def main() -> int:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("dump")
-    d.add_argument("--isa", choices=sorted(ISA_FLAGS), required=True)
+    d.add_argument("--isa", choices=sorted(ISAS), required=True)
     d.add_argument("--csrc", default=str(ROOT / "backend_lib/kernels/cpu/csrc"))
     d.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "qwen3_isa_builds"))
     d.add_argument("--build-dir", help="a folder of one's own for this ISA, rebuilt incrementally (ninja)")
     d.add_argument("--out", required=True)
     m = sub.add_parser("moe")
-    m.add_argument("--isa", choices=sorted(ISA_FLAGS), required=True)
+    m.add_argument("--isa", choices=sorted(ISAS), required=True)
     m.add_argument("--csrc", default=str(ROOT / "backend_lib/kernels/cpu/csrc"))
     m.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "qwen3_isa_builds"))
     c = sub.add_parser("compare")
@@ -272,7 +275,6 @@ def main() -> int:
     args = p.parse_args()
     if args.cmd == "compare":
         return compare(args.a, args.b)
-    sys.path.insert(0, str(ROOT))
     if args.cmd == "moe":
         build(Path(args.csrc), args.isa, Path(args.cache))
         return moe_check()
