@@ -4,8 +4,9 @@
     parameters: { key: "speculative_config"
                   value: { string_value: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' } }
 
-Only the n-gram (prompt lookup) proposer is implemented; the other methods vLLM knows (a draft `model`,
-eagle / eagle3, medusa, mtp, suffix) are refused by name. Our own keys, beside vLLM's: min_acceptance and
+Implemented: the n-gram (prompt lookup) proposer and EAGLE-3 heads (`"method": "eagle3", "model": <the head's
+folder>`, spec/eagle3.py); the other methods vLLM knows (a draft `model`, eagle, medusa, mtp, suffix) are
+refused by name. Our own keys, beside vLLM's: min_acceptance and
 acceptance_window (the per-request auto-disable) and vLLM's disable_by_batch_size.
 """
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "eagle3")
 # vLLM methods that exist there but not here: refused with their name
-NOT_IMPLEMENTED = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix",
+NOT_IMPLEMENTED = ("draft_model", "eagle", "medusa", "mlp_speculator", "mtp", "suffix",
                    "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -31,6 +32,7 @@ class SpeculativeConfig:
     min_acceptance: float = 0.25
     acceptance_window: int = 16
     disable_by_batch_size: int | None = None   # vLLM's: no drafts in a step with this many running requests
+    model: str | None = None                   # eagle3: the head's folder (spec/eagle3.py)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -64,11 +66,11 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     for key in value:
         if key not in KEYS and key != "model":
             raise ValueError(f"speculative_config.{key}: unknown key (known: {', '.join(KEYS + ('model',))})")
-    if value.get("model") is not None:
-        raise ValueError("speculative_config.model: a draft model is not implemented (method ngram needs none)")
     method = value.get("method", "ngram")
     if method in ("[ngram]", "ngram"):
         method = "ngram"
+    elif method == "eagle3":
+        pass
     elif method in NOT_IMPLEMENTED:
         raise ValueError(f"speculative_config.method: {method!r} is not implemented (implemented: "
                          f"{', '.join(METHODS)})")
@@ -92,6 +94,17 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     lo = _int("prompt_lookup_min", lo, 1, 64)
     if lo > hi:
         raise ValueError(f"speculative_config.prompt_lookup_min: {lo} exceeds prompt_lookup_max {hi}")
+    model = value.get("model")
+    if method == "ngram" and model is not None:
+        raise ValueError("speculative_config.model: a draft model is not implemented (method ngram needs none)")
+    if method == "eagle3":
+        if not isinstance(model, str) or not model.strip():
+            raise ValueError("speculative_config.model: method eagle3 needs the EAGLE-3 head's folder, got "
+                             f"{model!r}")
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if key in value:
+                raise ValueError(f"speculative_config.{key}: only for method ngram (this is eagle3)")
+        model = model.strip()
     rate = value.get("min_acceptance", SpeculativeConfig.min_acceptance)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
         raise ValueError(f"speculative_config.min_acceptance: a number in [0, 1], got {rate!r}")
@@ -99,4 +112,4 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     by_batch = value.get("disable_by_batch_size")
     if by_batch is not None:
         by_batch = _int("disable_by_batch_size", by_batch, 1)
-    return SpeculativeConfig("ngram", k, lo, hi, float(rate), window, by_batch)
+    return SpeculativeConfig(method, k, lo, hi, float(rate), window, by_batch, model)

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 KEY = "speculative_config.model"
+MAX_PENDING = 2048     # target rows kept per sequence before the head reads them (a long prompt: its last ones)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -187,9 +188,18 @@ class Eagle3Head:
     """The head's weights and its forward over a batch of row segments (each one sequence's, contiguous
     positions), writing each segment's K / V into that sequence's cache."""
 
-    def __init__(self, cfg: Eagle3Config, w: dict[str, torch.Tensor], embed, aux_layers: tuple[int, ...]):
+    LINEARS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
+
+    def __init__(self, cfg: Eagle3Config, w: dict[str, torch.Tensor], embed, aux_layers: tuple[int, ...],
+                 kernels=None):
+        """kernels: the engine's kernel set (its float GEMM / GEMV for the linears); None: torch's."""
         self.cfg, self.w, self.embed_fn, self.aux_layers = cfg, w, embed, aux_layers
         self.dtype = w["norm"].dtype
+        self.lin = {}
+        if kernels is not None:
+            from ..layers.linear import FloatLinear
+
+            self.lin = {n: FloatLinear(w.pop(n), kernels) for n in self.LINEARS}
         d = cfg.head_dim
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         self.inv_freq = inv.float().to(w["norm"].device)
@@ -199,9 +209,14 @@ class Eagle3Head:
         e = self.w.get("embed")
         return (e.index_select(0, ids) if e is not None else self.embed_fn(ids)).to(self.dtype)
 
+    def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lin = self.lin.get(name)
+        y = lin(x.contiguous()) if lin is not None else F.linear(x, self.w[name])
+        return y if bias is None else y + bias
+
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """fc: the three target hidden states [n, 3 * target_hidden] -> [n, hidden]."""
-        return F.linear(aux.to(self.dtype), self.w["fc"])
+        return self.linear("fc", aux.to(self.dtype))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         f = torch.outer(positions.float(), self.inv_freq)            # [T, d / 2]
@@ -221,9 +236,9 @@ class Eagle3Head:
         else:
             residual = hidden
             hn = rms(hidden, w["hidden_norm"], eps)
-        qkv = F.linear(torch.cat([e, hn], dim=-1), w["qkv"], w.get("qkv_bias"))
+        qkv = self.linear("qkv", torch.cat([e, hn], dim=-1), w.get("qkv_bias"))
         H, KV, d = c.num_heads, c.num_kv_heads, c.head_dim
-        T = ids.shape[0]
+        T, scale = ids.shape[0], c.head_dim ** -0.5
         q, k, v = qkv.split([H * d, KV * d, KV * d], dim=-1)
         q = self._rope(q.reshape(T, H, d), positions)
         k = self._rope(k.reshape(T, KV, d), positions)
@@ -237,23 +252,26 @@ class Eagle3Head:
             ks = keys.transpose(0, 1).repeat_interleave(H // KV, dim=0)   # [H, L, d]
             vs = vals.transpose(0, 1).repeat_interleave(H // KV, dim=0)
             rel = p0 - state.base
-            mask = torch.arange(L, device=q.device)[None, :] <= (rel + torch.arange(n, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float(), attn_mask=mask)
+            scores = torch.matmul(qs.float(), ks.float().transpose(1, 2)) * scale          # [H, n, L]
+            if n > 1:
+                mask = torch.arange(L, device=q.device)[None, :] > (rel + torch.arange(n, device=q.device))[:, None]
+                scores = scores.masked_fill(mask, float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1), vs.float())                     # [H, n, d]
             out[r0:r0 + n] = o.transpose(0, 1).to(self.dtype)
-        h = F.linear(out.reshape(T, H * d), w["o"], w.get("o_bias")) + residual
+        h = self.linear("o", out.reshape(T, H * d), w.get("o_bias")) + residual
         m = rms(h, w["post_norm"], eps)
-        gate, up = F.linear(m, w["gate_up"]).chunk(2, dim=-1)
-        pre = F.linear(F.silu(gate) * up, w["down"]) + h
+        gate, up = self.linear("gate_up", m).chunk(2, dim=-1)
+        pre = self.linear("down", F.silu(gate) * up) + h
         return rms(pre, w["norm"], eps), pre
 
     def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
         """Greedy drafts in the target's vocabulary: argmax over the draft vocabulary, mapped through d2t."""
-        logits = F.linear(normed, self.w["lm_head"])
+        logits = self.linear("lm_head", normed)
         return self.d2t_full[logits.argmax(dim=-1)]
 
 
 def load_eagle3_head(folder: str | Path, target, dtype: torch.dtype, device: torch.device,
-                     embed=None) -> Eagle3Head:
+                     embed=None, kernels=None) -> Eagle3Head:
     """The head in `folder` for a target with ModelConfig `target`; every mismatch refused naming the field or
     tensor. embed: the target's embedding (ids -> rows), used when the head has no embed_tokens.weight."""
     from ..checkpoint import CheckpointError, WeightStore
@@ -273,6 +291,9 @@ def load_eagle3_head(folder: str | Path, target, dtype: torch.dtype, device: tor
         raise _err(folder, str(exc)) from None
     hid, H, KV, d, inter = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     p = cfg.layer_prefix
+    if not store.has("embed_tokens.weight") and (hid != target.hidden_size or embed is None):
+        raise _err(folder, f"tensor 'embed_tokens.weight' is absent and the head's hidden_size {hid} is not the "
+                           f"target's {target.hidden_size} (the target's embedding cannot stand in)")
 
     def get(name, shape, dtypes=FLOATS, cast=True):
         try:
@@ -303,9 +324,6 @@ def load_eagle3_head(folder: str | Path, target, dtype: torch.dtype, device: tor
             w["o_bias"] = get(f"{p}.self_attn.o_proj.bias", (hid,))
     if store.has("embed_tokens.weight"):
         w["embed"] = get("embed_tokens.weight", (cfg.vocab_size, hid))
-    elif hid != target.hidden_size or embed is None:
-        raise _err(folder, f"tensor 'embed_tokens.weight' is absent and the head's hidden_size {hid} is not the "
-                           f"target's {target.hidden_size} (the target's embedding cannot stand in)")
     ints = (torch.int64, torch.int32)
     if store.has("d2t"):
         w["d2t"] = get("d2t", (cfg.draft_vocab_size,), ints, cast=False).to(torch.int64)
@@ -327,7 +345,7 @@ def load_eagle3_head(folder: str | Path, target, dtype: torch.dtype, device: tor
         raise _err(folder, f"tensors {unknown[:4]} are not part of the EAGLE-3 layout")
     log.info("EAGLE-3 head %s: hidden %d, %d heads, draft vocabulary %d, aux layers %s", folder, hid, H,
              cfg.draft_vocab_size, list(aux))
-    return Eagle3Head(cfg, w, embed, aux)
+    return Eagle3Head(cfg, w, embed, aux, kernels)
 
 
 def _known_names(cfg: Eagle3Config) -> set[str]:
@@ -361,7 +379,10 @@ class Eagle3State:
         return self.pend_start + sum(t.shape[0] for t in self.pend)
 
     def observe(self, start: int, rows: torch.Tensor) -> None:
-        """The target's aux rows of positions start .. start + n - 1 (they replace any rows from start on)."""
+        """The target's aux rows of positions start .. start + n - 1 (they replace any rows from start on; a
+        copy: the step's tensor is not held). At most MAX_PENDING rows wait (a paused request's): older ones
+        are dropped, and the head's context then starts after them."""
+        rows = rows.clone()
         if self.pend and self.pend_start <= start <= self.pend_end:
             keep, out = start - self.pend_start, []
             for t in self.pend:
@@ -372,6 +393,10 @@ class Eagle3State:
             self.pend = out + [rows]
         else:
             self.pend, self.pend_start = [rows], start
+        excess = self.pend_end - self.pend_start - MAX_PENDING
+        if excess > 0:
+            flat = torch.cat(self.pend)[excess:]
+            self.pend, self.pend_start = [flat], self.pend_start + excess
 
     def rebase(self, pos: int) -> None:
         """The cache holds positions >= pos only from here (nothing before them is known to the head)."""
@@ -403,8 +428,15 @@ class Eagle3Method:
         self.aux_layers = head.aux_layers
 
     @classmethod
-    def load(cls, spec_cfg, target_cfg, model, dtype, device) -> "Eagle3Method":
-        head = load_eagle3_head(spec_cfg.model, target_cfg, dtype, device, embed=model.embed)
+    def build(cls, spec_cfg, ctx) -> "Eagle3Method":
+        """From spec.decoder's ProposerContext: the head loaded for the target, and the target's runner told
+        which layers to expose (its steps with rows of speculating sequences then return them)."""
+        runner = ctx.runner
+        if runner is None or getattr(runner, "tp", None) is not None:
+            raise Eagle3Error("speculative_config.method: eagle3 needs the target's single-process runner")
+        head = load_eagle3_head(spec_cfg.model, ctx.model_config, ctx.dtype, ctx.device, embed=runner.model.embed,
+                                kernels=ctx.kernels)
+        runner.aux_layers = head.aux_layers
         return cls(head, spec_cfg.num_speculative_tokens)
 
     def new_state(self, seq) -> Eagle3State:

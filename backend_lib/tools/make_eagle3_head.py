@@ -1,19 +1,23 @@
 """Builds an EAGLE-3 head for a target checkpoint, in the exact layout of the public Qwen3 EAGLE-3 heads
-(backend_lib/spec/eagle3.py): random weights, or `--oracle`, a head built from the target's own final norm and
-lm_head that drafts the target's next token (for tests that must see accepted drafts).
+(backend_lib/spec/eagle3.py): random weights, or `--copy`, a hand-built "induction" head that drafts the token
+which followed the current token's earlier occurrences (for tests that must see accepted drafts).
 
     python -m backend_lib.tools.make_eagle3_head TARGET OUT [--draft-vocab N] [--layout eagle3|speculators]
-        [--aux-layers A,B,C] [--embed] [--oracle] [--seed N]
+        [--aux-layers A,B,C] [--embed] [--copy] [--seed N]
 
 The head's shapes are the target's (hidden, heads, KV heads, head_dim, intermediate), as the Qwen3-8B heads
 mirror Qwen3-8B's (Tengyunw/qwen3_8b_eagle3, AngelSlim/Qwen3-8B_eagle3: hidden 4096, 32 heads, 8 KV heads,
 intermediate 12288, draft vocabulary 32000). The draft vocabulary is a random sorted subset of the target's
 (the public heads keep the most frequent tokens): d2t[i] = target id - i, t2d marks the kept target ids.
 
---oracle: fc passes the third aux state through (the aux ids must end with the target's layer count L, the last
-layer's output before the final norm), the attention's o_proj and the MLP's down_proj are zero, norm and lm_head
-are the target's (draft vocabulary = the full vocabulary): its first draft is the target's greedy token up to
-rounding, its later drafts repeat it. Not a trained head: an instrument for tests.
+--copy: a trained head predicts the token after next from the target's hidden states; no such head can be built
+by hand for random weights (the target's state at position p predicts token p + 1, which the head already reads).
+What can be built is an induction head over the head's own cache: aux layer 0 (the target's embeddings: the aux
+ids must start with 0) passes through fc, so the key at position p' is the embedding of token p' while its value
+is the embedding of token p' + 1 (the head's input there); the query, the embedding of the current token, finds
+the earlier positions holding that token and copies what followed it (RoPE made position-blind: rope_theta 1e300
+and the first rotary pair unused). Drafts of a loop (the random demo weights fall into loops) are then accepted.
+An instrument for tests, in the published layout; not a trained head.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 
 
 def build(target: str | Path, out: str | Path, draft_vocab: int | None = 32000, layout: str = "eagle3",
-          aux_layers: list[int] | None = None, embed: bool = False, oracle: bool = False, seed: int = 0,
+          aux_layers: list[int] | None = None, embed: bool = False, copy: bool = False, seed: int = 0,
           std: float = 0.02) -> Path:
     from safetensors.torch import save_file
 
@@ -34,11 +38,12 @@ def build(target: str | Path, out: str | Path, draft_vocab: int | None = 32000, 
     tc = ModelConfig.from_dir(target)
     hid, H, KV, d, inter, V = (tc.hidden_size, tc.num_heads, tc.num_kv_heads, tc.head_dim, tc.intermediate_size,
                                tc.vocab_size)
-    if oracle:
-        L = tc.num_layers
-        aux_layers = aux_layers or [max(0, L - 2), L - 1, L]
-        if max(aux_layers) != L:
-            raise ValueError(f"--oracle: the aux layers must end with the target's layer count {L}")
+    if copy:
+        aux_layers = aux_layers or [0, 1, 2]
+        if min(aux_layers) != 0:
+            raise ValueError("--copy: the aux layers must include 0 (the target's embeddings)")
+        if hid % d or hid // d > KV:
+            raise ValueError(f"--copy: hidden {hid} must be a multiple of head_dim {d}, at most {KV} of them")
         draft_vocab = V
     draft_vocab = min(draft_vocab or V, V)
     g = torch.Generator().manual_seed(seed)
@@ -71,17 +76,31 @@ def build(target: str | Path, out: str | Path, draft_vocab: int | None = 32000, 
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
     t["t2d"] = t2d
-    if oracle:
+    rope_theta, norm_before_residual = 1_000_000.0, False
+    if copy:
         store = WeightStore(target)
-        head = "lm_head.weight" if store.has("lm_head.weight") else "model.embed_tokens.weight"
-        fc = torch.zeros(hid, 3 * hid)
-        fc[:, 2 * hid:] = torch.eye(hid)
-        t["fc.weight"] = fc.to(torch.bfloat16)
-        t[f"{p}.self_attn.o_proj.weight"].zero_()
-        t[f"{p}.mlp.down_proj.weight"].zero_()
-        t["norm.weight"] = store.get("model.norm.weight").to(torch.bfloat16).clone()
-        t["lm_head.weight"] = store.get(head).to(torch.bfloat16).clone()
+        emb = store.get("model.embed_tokens.weight").float()
         store.release()
+        m, group, scale = hid // d, H // KV, 4.0
+        fc = torch.zeros(hid, 3 * hid)
+        fc[:, :hid] = torch.eye(hid)                # aux layer 0: the embedding of token p
+        A = torch.randn(d, hid, generator=g) / hid ** 0.5 * scale
+        A[0] = A[d // 2] = 0                        # the rotary pair that turns at 1 rad / position: unused
+        q, k, v, o = (torch.zeros(H * d, 2 * hid), torch.zeros(KV * d, 2 * hid), torch.zeros(KV * d, 2 * hid),
+                      torch.zeros(hid, H * d))
+        for j in range(m):                          # kv head j carries hidden dims j*d .. (j+1)*d - 1
+            h = j * group
+            q[h * d:(h + 1) * d, :hid] = A          # query: the current token's (normed) embedding
+            k[j * d:(j + 1) * d, hid:] = A          # key: token p' (fc's aux 0, hidden_norm)
+            v[j * d:(j + 1) * d, j * d:(j + 1) * d] = torch.eye(d)   # value: token p' + 1 (the head's input)
+            o[j * d:(j + 1) * d, h * d:(h + 1) * d] = torch.eye(d) * 8.0
+        for name, val in (("fc.weight", fc), (f"{p}.self_attn.q_proj.weight", q), (f"{p}.self_attn.k_proj.weight", k),
+                          (f"{p}.self_attn.v_proj.weight", v), (f"{p}.self_attn.o_proj.weight", o),
+                          ("lm_head.weight", emb)):
+            t[name] = val.to(torch.bfloat16)
+        t[f"{p}.mlp.down_proj.weight"].zero_()
+        rope_theta = 1e300
+        norm_before_residual = True                 # the residual is the normed hidden: the copied value dominates
     if embed:
         t["embed_tokens.weight"] = rand(V, hid)
     layer = {"architectures": ["LlamaForCausalLM"] if layout == "speculators" else ["LlamaForCausalLMEagle3"],
@@ -89,11 +108,11 @@ def build(target: str | Path, out: str | Path, draft_vocab: int | None = 32000, 
              "hidden_act": "silu", "hidden_size": hid, "initializer_range": std, "intermediate_size": inter,
              "max_position_embeddings": tc.max_position_embeddings, "num_attention_heads": H,
              "num_hidden_layers": 1, "num_key_value_heads": KV, "rms_norm_eps": tc.rms_norm_eps,
-             "rope_scaling": None, "rope_theta": 1_000_000.0, "tie_word_embeddings": False,
+             "rope_scaling": None, "rope_theta": rope_theta, "tie_word_embeddings": False,
              "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": V}
     if layout == "speculators":
         config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-                  "draft_vocab_size": draft_vocab, "norm_before_residual": False, "target_hidden_size": hid,
+                  "draft_vocab_size": draft_vocab, "norm_before_residual": norm_before_residual, "target_hidden_size": hid,
                   "eagle_aux_hidden_state_layer_ids": aux_layers, "transformer_layer_config": layer,
                   "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                          "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
@@ -101,6 +120,8 @@ def build(target: str | Path, out: str | Path, draft_vocab: int | None = 32000, 
                                                       "name_or_path": str(target)}}}
     else:
         config = {**layer, "draft_vocab_size": draft_vocab}
+        if norm_before_residual:
+            config["norm_before_residual"] = True
         if aux_layers is not None:
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers),
                                       "use_aux_hidden_state": True}
@@ -119,11 +140,11 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=("eagle3", "speculators"), default="eagle3")
     ap.add_argument("--aux-layers", default=None, help="three target layer ids, e.g. 2,14,25 (default: vLLM's)")
     ap.add_argument("--embed", action="store_true", help="write the head's own embed_tokens.weight")
-    ap.add_argument("--oracle", action="store_true", help="a head that drafts the target's own next token")
+    ap.add_argument("--copy", action="store_true", help="an induction head: drafts what followed the current token")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     aux = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None
-    print(build(a.target, a.out, a.draft_vocab, a.layout, aux, a.embed, a.oracle, a.seed))
+    print(build(a.target, a.out, a.draft_vocab, a.layout, aux, a.embed, a.copy, a.seed))
     return 0
 
 
