@@ -264,3 +264,20 @@ def test_the_a8w8_layer_loop_target_is_unchanged_by_the_aux_capture(a8w8_ckpt, t
     assert off.runner.model.layer_loop.applies(off.runner.kv_cache)
     prompts = _prompts(off)
     _compare(off, on, prompts, [{**GREEDY, "logprobs": 2}, SEEDED, GREEDY, {**SEEDED, "seed": 3, "logprobs": 0}])
+
+
+def test_a_failing_head_drafts_nothing_and_the_requests_go_on(bf16_engine, heads, bf16_ckpt, monkeypatch):
+    on = make_engine(bf16_ckpt, speculative_config=spec(heads["copy"], k=3, min_acceptance=0.0))
+    head = on.spec.proposer.head
+    calls = {"n": 0}
+    real = head.forward
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("injected head fault")
+        return real(*a, **kw)
+    monkeypatch.setattr(head, "forward", flaky)
+    prompts = _prompts(bf16_engine)[1:]
+    _compare(bf16_engine, on, prompts, [GREEDY, SEEDED, GREEDY], min_accepted=0)
+    assert calls["n"] >= 6 and on.stats.spec_num_drafts > 0

@@ -451,8 +451,19 @@ class Eagle3Method:
     def free(self, seq, state: Eagle3State) -> None:
         state.reset()
 
-    @torch.inference_mode()
     def propose(self, rows) -> list[list[int]]:
+        """Up to room drafts per row; a head that fails drafts nothing this step (its rows start over), the
+        step and the requests go on (verification needs no drafts)."""
+        try:
+            return self._propose(rows)
+        except Exception:
+            log.exception("EAGLE-3 head failed; %d row(s) draft nothing this step", len(rows))
+            for r in rows:
+                r.state.reset()
+            return [[] for _ in rows]
+
+    @torch.inference_mode()
+    def _propose(self, rows) -> list[list[int]]:
         head = self.head
         out: list[list[int]] = [[] for _ in rows]
         feed_ids, feed_pos, feed_aux, segs, fed = [], [], [], [], []
