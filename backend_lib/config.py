@@ -109,6 +109,13 @@ class EngineConfig:
             from .lora.registry import parse_lora_roots
 
             self.lora_roots = parse_lora_roots(self.lora_roots, base_dir)
+        spec = self.speculative
+        if spec is not None and spec.model is not None:   # an EAGLE-3 head's folder, as the checkpoint's
+            import json
+
+            value = self.speculative_config
+            value = dict(value) if isinstance(value, dict) else json.loads(value)
+            self.speculative_config = {**value, "model": resolve(spec.model, "speculative_config.model", base_dir)}
         return self
 
     @property
@@ -167,7 +174,10 @@ class EngineConfig:
                 if on:
                     raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} with {name} is not "
                                      "supported yet (use tensor_parallel_size: 1)")
-        self.speculative   # noqa: B018 (parsing is the validation: errors name speculative_config.<key>)
+        spec = self.speculative   # parsing is the validation: errors name speculative_config.<key>
+        if spec is not None and spec.method == "eagle3" and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.method: eagle3 with tensor_parallel_size "
+                             f"{self.tensor_parallel_size} is not supported yet (use tensor_parallel_size: 1)")
         return self
 
     @classmethod

@@ -220,6 +220,8 @@ class LLMEngine:
                 raise
             return failed
         self.scheduler.update(plan, result)
+        for seq, start, rows in result.hidden:   # [spec] an EAGLE-3 head's inputs (the runner captures them)
+            self.spec.observe(seq, start, rows)
         for seq, chunk in result.prompt_logprobs:
             try:
                 self.output.record_prompt_logprobs(seq, chunk)
