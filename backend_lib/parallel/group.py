@@ -7,10 +7,12 @@ import datetime
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+NP_DTYPES = (torch.float32, torch.int32, torch.int64)   # the shared-memory reductions' numpy fast path
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -74,7 +76,23 @@ class TPGroup:
         return cls.init(int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
                         device, timeout_s)
 
+    def _reduce_np_(self, t: torch.Tensor, op) -> bool:
+        """In place through shared memory with numpy's elementwise op (np.maximum propagates NaN as torch.maximum
+        does; np.add on int32 wraps as torch's): False when t cannot take the path (not a contiguous CPU tensor
+        of a numpy dtype, or larger than a slot)."""
+        if self.shm is None or t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in NP_DTYPES \
+                or not self.shm.fits(t):
+            return False
+        a = t.numpy()
+        parts = self.shm.exchange_np(a)
+        op(parts[0], parts[1], out=a)
+        for p in parts[2:]:
+            op(a, p, out=a)
+        return True
+
     def all_reduce_max_(self, t: torch.Tensor) -> torch.Tensor:
+        if self._reduce_np_(t, np.maximum):
+            return t
         if self.shm is not None and self.shm.fits(t):
             parts = self.shm.exchange(t)
             out = parts[0].clone()
@@ -87,6 +105,8 @@ class TPGroup:
 
     def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         """In place; exact for integer tensors (the A8W8 partial sums)."""
+        if self._reduce_np_(t, np.add):
+            return t
         if self.shm is not None and self.shm.fits(t):
             parts = self.shm.exchange(t)
             out = parts[0].clone()
