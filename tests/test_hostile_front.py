@@ -270,7 +270,8 @@ def test_forced_tool_calls_cut_by_max_tokens_return_the_complete_calls(front, so
 # ----- priority aging through the server ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def priority_front(tmp_path_factory, a8w8_ckpt):
-    """A server whose qwen3_a8w8 schedules by priority one sequence at a time, and the front as serve.sh starts it."""
+    """A server whose qwen3_a8w8 schedules by priority one sequence at a time, qwen3_share whose prompt scoring
+    takes 16 tokens of a 64-token step, and the front as serve.sh starts it."""
     from harness.triton_server import TritonServer, make_repository
     from helpers import SERVER_ENGINE
 
@@ -278,6 +279,9 @@ def priority_front(tmp_path_factory, a8w8_ckpt):
     repo = make_repository(root / "models", {
         "qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt), "scheduling_policy": "priority",
                        "max_num_seqs": "1"},
+        # prompt scoring's share of a step: 16 of its 64 tokens (test_prompt_scoring_..._its_share_of_a_step)
+        "qwen3_share": {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt),
+                        "max_scoring_tokens_per_step": "16"},
         "qwen3_tokenizer": {"checkpoint": str(a8w8_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]}})
     server = TritonServer(repo, root / "tritonserver.log").start()
     f = Front(server.grpc_url, root / "front.log", "--host", "127.0.0.1", "--triton-metrics-url",
@@ -336,3 +340,37 @@ def test_a_low_priority_request_beside_a_flood_of_high_priority_ones_finishes_wi
     print(f"\npriority aging: a priority-0 request sent into a flood of priority -1 requests (8 clients, one slot) "
           f"finished after {overtaken} of them (bound {PRIORITY_AGING} later arrivals + up to {2 * flooders + 1} "
           f"ahead of it), its tokens exact")
+
+
+def test_prompt_scoring_takes_its_share_of_a_step_and_a_short_request_behind_it_goes_first(priority_front):
+    """A scoring request (4 prompts of 400 tokens, prompt_logprobs 5: 1,600 rows of full-vocabulary logits, 100 steps
+    at its share of 16 rows) sent first, a 3-token greedy request right behind it: the short one is scheduled in the
+    step's other 48 tokens and finishes first, with its solo text; the scored logprobs are the bits of the same
+    request scored alone."""
+    front = priority_front
+    post = lambda b: requests.post(f"{front.url}/v1/completions", json=b, timeout=600)  # noqa: E731
+    short = {**GREEDY, "model": "qwen3_share", "max_tokens": 3}
+    scoring = {"model": "qwen3_share", "prompt": [[9707 + i] * 400 for i in range(4)], "max_tokens": 1,
+               "temperature": 0, "prompt_logprobs": 5}
+    solo_short = post(short).json()["choices"][0]["text"]
+    solo_scores = [c["prompt_logprobs"] for c in post(scoring).json()["choices"]]
+    finished: list[str] = []
+
+    t0, at = time.time(), {}
+
+    def run(name, body):
+        r = post(body)
+        finished.append(name)
+        at[name] = time.time() - t0
+        return r
+
+    with ThreadPoolExecutor(2) as pool:
+        big = pool.submit(run, "scoring", scoring)
+        time.sleep(0.3)   # the scoring request is admitted first
+        small = pool.submit(run, "short", short)
+        r_small, r_big = small.result(timeout=600), big.result(timeout=600)
+    assert r_small.status_code == 200 and r_big.status_code == 200, (r_small.text, r_big.text)
+    # without the share (scoring taking whole steps) the short one finishes right after the scoring, or just before
+    assert finished == ["short", "scoring"] and at["short"] < 0.5 * at["scoring"], at
+    assert r_small.json()["choices"][0]["text"] == solo_short
+    assert [c["prompt_logprobs"] for c in r_big.json()["choices"]] == solo_scores
