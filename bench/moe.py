@@ -96,6 +96,7 @@ def triton_stream(checkpoint: str, new_tokens: int = 16, kv_cache_memory: str = 
     from harness.triton_server import TritonServer, make_repository
 
     out = Path(tempfile.mkdtemp(prefix="bench-moe-triton-"))
+    checkpoint = str(Path(checkpoint).resolve())   # the server resolves a relative path against its model folder
     repo = make_repository(out / "models", {"qwen3_a8w8": {"checkpoint": checkpoint, "kv_cache_memory": kv_cache_memory,
                                                           "max_model_len": "1024", "max_num_seqs": "4"}})
     t0 = time.perf_counter()
