@@ -25,6 +25,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None       # default: the checkpoint's positions, capped by what the KV pool holds
     max_num_batched_tokens: int = 512      # prefill chunk budget per step
+    # prompt rows scored (prompt_logprobs: full-vocabulary logits per row) per step, over all sequences: a big
+    # scoring request is chunked within it, the rest of the step's budget stays with the other requests
+    max_scoring_tokens_per_step: int = 128
     default_max_tokens: int = 256
     max_waiting_requests: int = 256        # beyond this, new requests are refused at once (UNAVAILABLE)
     enable_prefix_caching: bool = True     # full KV pages cached by content and reused by later prompts
@@ -67,8 +70,8 @@ class EngineConfig:
                 kwargs[key] = value
             else:
                 raise ValueError(f"parameter {key!r} is not known (known: {', '.join(sorted(known | limit_names))})")
-        for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens", "tq_seed",
-                    "max_model_len", "num_threads", "max_waiting_requests", "max_loras", "max_lora_rank",
+        for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_scoring_tokens_per_step",
+                    "default_max_tokens", "tq_seed", "max_model_len", "num_threads", "max_waiting_requests", "max_loras", "max_lora_rank",
                     "tensor_parallel_size"):
             if key in kwargs and kwargs[key] not in (None, ""):
                 kwargs[key] = _to_int(key, kwargs[key])
@@ -106,6 +109,13 @@ class EngineConfig:
             from .lora.registry import parse_lora_roots
 
             self.lora_roots = parse_lora_roots(self.lora_roots, base_dir)
+        spec = self.speculative
+        if spec is not None and spec.model is not None:   # an EAGLE-3 head's folder, as the checkpoint's
+            import json
+
+            value = self.speculative_config
+            value = dict(value) if isinstance(value, dict) else json.loads(value)
+            self.speculative_config = {**value, "model": resolve(spec.model, "speculative_config.model", base_dir)}
         return self
 
     @property
@@ -124,8 +134,8 @@ class EngineConfig:
             raise ValueError("checkpoint: no checkpoint folder configured")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache: {self.kv_cache!r} is not one of {', '.join(KV_CACHE_KINDS)}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "default_max_tokens",
-                     "max_waiting_requests"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_scoring_tokens_per_step",
+                     "default_max_tokens", "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.page_size > 1024 or self.page_size % 16:
@@ -160,12 +170,14 @@ class EngineConfig:
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size: must be in [1, 64], got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1:
-            for name, on in (("enable_lora / lora_modules", self.lora_enabled), ("lm_head_quant: int8",
-                             self.lm_head_quant != "checkpoint"), ("cpu_share", bool(self.cpu_share))):
+            for name, on in (("cpu_share", bool(self.cpu_share)),):
                 if on:
                     raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} with {name} is not "
                                      "supported yet (use tensor_parallel_size: 1)")
-        self.speculative   # noqa: B018 (parsing is the validation: errors name speculative_config.<key>)
+        spec = self.speculative   # parsing is the validation: errors name speculative_config.<key>
+        if spec is not None and spec.method == "eagle3" and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.method: eagle3 with tensor_parallel_size "
+                             f"{self.tensor_parallel_size} is not supported yet (use tensor_parallel_size: 1)")
         return self
 
     @classmethod

@@ -8,7 +8,9 @@ checkpoint to carry), in at most 7 minutes.
    paged attention (bf16 tolerance), TurboQuant codes; one decode step's logits of the whole model;
 2. int8 GEMV (M = 1) bandwidth as a share of the device's (a device-to-device copy of 1 GiB measures that);
 3. decode tokens/s at batch 1 / 16 / 64 (context `--context` per sequence), CUDA graphs off and on, as a share
-   of the bandwidth floor (weights + the KV read once per step at the measured bandwidth).
+   of the bandwidth floor (weights + the KV read once per step at the measured bandwidth);
+4. the fused MoE (A8W8, one Qwen3-30B-A3B layer's 128 experts of width 768, 8 per token) bit for bit against
+   the reference at 1 and 16 tokens, and its time and bandwidth over the routed experts' bytes.
 JSON out (--json), a table printed last. Runs on torch 2.11 / triton 3.6 as on the pinned versions.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ SHAPES = {   # hidden, heads, kv heads, head_dim, intermediate, layers, vocab
     "8b": (4096, 32, 8, 128, 12288, 36, 151936),
 }
 BUDGET_S = 7 * 60 - 30
+MOE_SHAPES = {"tiny": (64, 32, 8, 2), "30b-a3b": (2048, 768, 128, 8)}   # hidden, expert width, experts, per token
 
 
 def build_model(shape: str, kernels, device, dtype, seed: int = 0):
@@ -162,6 +165,36 @@ def kernel_checks(tri, ref, shape, device, dtype) -> list[dict]:
     return out
 
 
+def moe_checks(tri, ref, device, dtype, dry: bool):
+    """(checks, timings) of the fused A8W8 MoE on one layer of random experts."""
+    import torch
+
+    from backend_lib.layers.linear import A8W8Linear
+
+    hid, inter, e_n, k = MOE_SHAPES["tiny" if dry else "30b-a3b"]
+    g = torch.Generator(device=device).manual_seed(2)
+    raw = [(torch.randint(-128, 128, (2 * inter, hid), generator=g, device=device, dtype=torch.int8),
+            torch.rand(2 * inter, generator=g, device=device) * 0.01,
+            torch.randint(-128, 128, (hid, inter), generator=g, device=device, dtype=torch.int8),
+            torch.rand(hid, generator=g, device=device) * 0.01) for _ in range(e_n)]
+    ref_pairs = [(A8W8Linear(a, b, ref), A8W8Linear(c, d, ref)) for a, b, c, d in raw]
+    packed = tri.pack_experts([(A8W8Linear(a, b, tri), A8W8Linear(c, d, tri)) for a, b, c, d in raw])
+    checks, timings = [], []
+    for m in (1, 16):
+        x = (torch.randn(m, hid, generator=g, device=device) * 3).to(dtype)
+        w, ids = torch.topk(torch.softmax(torch.randn(m, e_n, generator=g, device=device), -1), k)
+        w = w.to(dtype)
+        got = tri.moe_experts(x, ids, w, packed)
+        same = torch.equal(got, ref.moe_experts(x, ids, w, ref_pairs))
+        checks.append({"check": f"fused moe a8w8 T={m} E={e_n} k={k}", "bit_exact": same, "ok": same})
+        t = timed(lambda: tri.moe_experts(x, ids, w, packed), device, 1 if dry else 50)
+        touched = int(ids.unique().numel())
+        nbytes = touched * (3 * hid * inter + 4 * (3 * inter + hid))     # int8 weights + fp32 scales
+        timings.append({"shape": f"T={m} E={e_n} k={k} {hid}x{inter}", "experts_touched": touched, "us": t * 1e6,
+                        "GBps": nbytes / t / 1e9})
+    return checks, timings
+
+
 def decode_setup(model, shape, batch, context, device, dtype, kernels):
     import torch
 
@@ -215,6 +248,10 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
            "torch": torch.__version__, "triton": triton.__version__, "dry_run": args.dry_run,
            "device_bandwidth_GBps": bw / 1e9, "checks": [], "gemv": [], "decode": [], "skipped": []}
+    moe_c, res["moe"] = moe_checks(tri, REFERENCE, device, dtype, args.dry_run)
+    res["checks"] += [{"model": "moe", **c} for c in moe_c]
+    for m in res["moe"]:
+        m["share_of_device"] = m["GBps"] * 1e9 / bw
     for shape in shapes:
         res["checks"] += [{"model": shape, **c} for c in kernel_checks(tri, REFERENCE, shape, device, dtype)]
         hid, _, _, _, inter, _, _ = SHAPES[shape]
@@ -285,6 +322,9 @@ def main(argv=None) -> int:
     for g_ in res["gemv"]:
         print(f"  gemv  {g_['model']:<5} {g_['shape']:<28} {g_['us']:9.1f} us {g_['GBps']:8.1f} GB/s "
               f"{100 * g_['share_of_device']:5.1f} % of the copy bandwidth")
+    for m in res["moe"]:
+        print(f"  moe   {m['shape']:<28} {m['us']:9.1f} us {m['GBps']:8.1f} GB/s "
+              f"{100 * m['share_of_device']:5.1f} % of the copy bandwidth ({m['experts_touched']} experts read)")
     print(f"  {'model':<6}{'batch':>6}{'eager tok/s':>13}{'graph tok/s':>13}{'floor tok/s':>13}{'share':>8}")
     for r in res["decode"]:
         graph = f"{r['graph_tokens_per_s']:13.1f}" if r["graph_tokens_per_s"] is not None else f"{'-':>13}"

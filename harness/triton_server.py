@@ -182,6 +182,11 @@ class TritonServer:
                 stubs[int(entry.name)] = cmd
         return stubs
 
+    def stub_instances(self) -> dict[int, str]:
+        """{pid: its model instance's name (qwen3_a8w8_0_0)} of every Python-backend stub of this server."""
+        return {pid: next((a.decode(errors="replace") for a in cmd if re.fullmatch(rb"[\w.-]+_0_[0-9]+", a)), "?")
+                for pid, cmd in self._stubs().items()}
+
     def stub_pids(self) -> list[int]:
         return sorted(self._stubs())
 

@@ -45,14 +45,15 @@ def _v1_routes(gateway: TritonGateway, names: TokenNames, api_key: str | None, r
 
     @router.get("/models")
     async def list_models():
-        models = await gateway.llm_models()
+        models = await gateway.served_models()   # the LLMs, the embedding and the rerank models
         return {"object": "list", "data": [_model_card(m) for m in models] + await gateway.loras.cards(gateway)}
 
     @router.get("/models/{model:path}")
     async def get_model(model: str):
         if model in gateway.loras:
             return next(c for c in await gateway.loras.cards(gateway) if c["id"] == model)
-        await gateway.require_llm(model)
+        if model not in await gateway.served_models():
+            await gateway.require_llm(model)   # the 404 / 503 of a model that is not served (or not ready)
         return _model_card(model)
 
     @router.post("/load_lora_adapter", openapi_extra=request_body(LoadLoRAAdapterRequest))

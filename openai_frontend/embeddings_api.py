@@ -20,10 +20,9 @@ from tritonclient.utils import InferenceServerException
 
 from .errors import APIError, bad_request, model_not_found, unavailable
 from .embeddings_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
-from .gateway import UNARY_TIMEOUT_S, TritonGateway
+from .gateway import EMBED, RERANK, UNARY_TIMEOUT_S, TritonGateway
 from .protocol import json_body, request_body
 
-EMBED, RERANK = "embed", "rerank"
 _ITEM_FIELD = re.compile(r"^(text_input|input_ids|document)\b:?\s*")   # the input's own: renamed input[i], ...
 _BODY_FIELD = re.compile(r"^(prompt_name|dimensions|instruction|query)\b")      # the body's: named as sent
 
@@ -33,22 +32,14 @@ class EmbeddingModels:
 
     def __init__(self, gateway: TritonGateway):
         self.gateway = gateway
-        self._kind: dict[str, str | None] = {}
 
     async def kind(self, model: str) -> str | None:
-        if model not in self._kind:
-            g = self.gateway
-            if not await g._call(g.client.is_model_ready(model, client_timeout=UNARY_TIMEOUT_S)):
-                index = await g._call(g.client.get_model_repository_index(as_json=True,
-                                                                          client_timeout=UNARY_TIMEOUT_S))
-                if any(m["name"] == model for m in index.get("models", [])):
-                    raise unavailable(f"The model '{model}' is not ready")
-                raise model_not_found(model)
-            config = (await g._call(g.client.get_model_config(model, as_json=True,
-                                                              client_timeout=UNARY_TIMEOUT_S))).get("config", {})
-            outputs = {t["name"] for t in config.get("output", [])}
-            self._kind[model] = EMBED if "embedding" in outputs else RERANK if "score" in outputs else None
-        return self._kind[model]
+        g = self.gateway
+        if not await g._call(g.client.is_model_ready(model, client_timeout=UNARY_TIMEOUT_S)):
+            if model in await g.model_names():
+                raise unavailable(f"The model '{model}' is not ready")
+            raise model_not_found(model)
+        return await g.model_kind(model)
 
     async def require(self, model: str, *kinds: str) -> str:
         kind = await self.kind(model)

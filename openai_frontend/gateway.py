@@ -79,11 +79,19 @@ def _entries(tokens: list[dict] | None) -> list[dict]:
     return out
 
 
-def is_llm_config(config: dict) -> bool:
-    """A streaming LLM model: takes input_ids, returns text_output, and is not an ensemble."""
+GENERATE, EMBED, RERANK = "generate", "embed", "rerank"
+
+
+def model_kind(config: dict) -> str | None:
+    """What a served model does, from its config: GENERATE (a streaming LLM: takes input_ids, returns text_output,
+    not an ensemble), EMBED (returns embedding), RERANK (returns score), or None (the tokenizer, ensembles)."""
+    if config.get("platform") == "ensemble":
+        return None
     inputs = {t["name"] for t in config.get("input", [])}
     outputs = {t["name"] for t in config.get("output", [])}
-    return config.get("platform") != "ensemble" and "input_ids" in inputs and "text_output" in outputs
+    if "input_ids" in inputs and "text_output" in outputs:
+        return GENERATE
+    return EMBED if "embedding" in outputs else RERANK if "score" in outputs else None
 
 
 ABORT_WAIT_S = 10.0   # an aborted request's final response comes in milliseconds after its abort; past this, cancel
@@ -283,7 +291,7 @@ class TritonGateway:
     def __init__(self, url: str):
         self.url = url
         self._client: aio.InferenceServerClient | None = None
-        self._is_llm: dict[str, bool] = {}
+        self._kinds: dict[str, str | None] = {}
         self._streams: set[TritonStream] = set()
         from .lora import LoraAdapters
 
@@ -324,19 +332,28 @@ class TritonGateway:
         except (grpc.RpcError, InferenceServerException) as exc:
             raise _transport_error(exc) from None
 
-    async def _llm(self, name: str) -> bool:
-        if name not in self._is_llm:
+    async def model_kind(self, name: str) -> str | None:
+        """model_kind() of a model Triton knows (its config read once)."""
+        if name not in self._kinds:
             config = await self._call(self.client.get_model_config(name, as_json=True,
                                                                    client_timeout=UNARY_TIMEOUT_S))
-            self._is_llm[name] = is_llm_config(config.get("config", {}))
-        return self._is_llm[name]
+            self._kinds[name] = model_kind(config.get("config", {}))
+        return self._kinds[name]
 
-    async def llm_models(self) -> list[str]:
-        """The ready models that are streaming LLMs (not ensembles, not the tokenizer)."""
+    async def _llm(self, name: str) -> bool:
+        return await self.model_kind(name) == GENERATE
+
+    async def served_models(self, *kinds: str) -> list[str]:
+        """The ready models of these kinds (default: every kind /v1/models lists), sorted by name."""
         index = await self._call(self.client.get_model_repository_index(as_json=True,
                                                                         client_timeout=UNARY_TIMEOUT_S))
         ready = sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
-        return [name for name in ready if await self._llm(name)]
+        kinds = kinds or (GENERATE, EMBED, RERANK)
+        return [name for name in ready if await self.model_kind(name) in kinds]
+
+    async def llm_models(self) -> list[str]:
+        """The ready models that are streaming LLMs (not ensembles, not the tokenizer, not embedding models)."""
+        return await self.served_models(GENERATE)
 
     async def model_names(self) -> set[str]:
         """Every model of Triton's repository, whatever its state or kind."""

@@ -16,4 +16,4 @@ fi
 # never fatal (a tool left out skips its tests, or fails them under CI=true).
 ./scripts/setup_clients.sh
 export PATH="$PWD/.venv/bin:$PATH"
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=30 "$@"

@@ -4,6 +4,7 @@ were (the builds differ from one another: their sums run over 16, 8 or 1 lanes).
 
     python tests/isa_bits.py dump --isa avx2 --csrc backend_lib/kernels/cpu/csrc --out /tmp/after_avx2.pt
     python tests/isa_bits.py compare /tmp/before_avx2.pt /tmp/after_avx2.pt
+    python tests/isa_bits.py moe --isa scalar     # that build's MoE op (csrc/moe.cpp) = its composed slot
 
 dump builds every .cpp of --csrc with the kernel set's flags plus the ISA's -mno-* flags into a build folder of
 its own (keyed by the sources and flags, so an unchanged tree is not rebuilt), loads it as torch.ops.qwen3_cpu
@@ -22,7 +23,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+sys.path.insert(0, str(ROOT))
+# This tool's names for the kernel set's $QWEN3_CPU_ISA builds (backend_lib/kernels/cpu/build.py, ISA_FLAGS: the one
+# home of their flags); "avx512" is the native build of an AVX-512 host.
+ISAS = {"avx512": "native", "avx2vnni": "avx2vnni", "avx2": "avx2", "scalar": "scalar"}
 
 
 def build(csrc: Path, isa: str, cache: Path, build_dir: Path | None = None) -> None:
@@ -32,7 +36,7 @@ def build(csrc: Path, isa: str, cache: Path, build_dir: Path | None = None) -> N
     from backend_lib.kernels.cpu import build as kbuild
 
     sources = sorted(p for p in csrc.iterdir() if p.suffix == ".cpp")
-    flags = kbuild._cflags() + ISA_FLAGS[isa]
+    flags = kbuild._cflags(ISAS[isa])
     h = hashlib.sha256(" ".join(flags).encode())
     for p in sorted(csrc.iterdir()):
         if p.suffix in (".cpp", ".h"):
@@ -193,6 +197,53 @@ def _engine() -> dict:
     return res
 
 
+def moe_check() -> int:
+    """In this build: the MoE op (csrc/moe.cpp) against the composed slot (kernels/moe.py) over the same build's
+    linear ops, bit for bit, for float (bf16 / fp32 weights), A8W8 and W4A16 (symmetric: the batch-1 table lookup,
+    asymmetric) experts, fp32 and bf16 activations, one token and a batch, odd widths of the A8W8 panels."""
+    import torch
+
+    from backend_lib.kernels import get_kernels
+    from backend_lib.kernels.cpu.moe import build_table
+    from backend_lib.kernels.moe import grouped_moe
+    from backend_lib.layers.linear import A8W8Linear, FloatLinear, W4A16Linear
+    from backend_lib.checkpoint.int4 import Int4Weight
+
+    cpu = get_kernels("cpu", "cpu")
+    g = torch.Generator().manual_seed(0)
+    H, I, E, K = 96, 40, 6, 3
+
+    def lin(kind, n, k):
+        if kind in ("bf16", "fp32"):
+            w = torch.randn(n, k, generator=g) * 0.1
+            return FloatLinear(w.to(torch.bfloat16 if kind == "bf16" else torch.float32), cpu)
+        if kind == "a8w8":
+            return A8W8Linear(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
+                              torch.rand(n, generator=g) * 1e-2, cpu)
+        groups = k // 8
+        zeros = torch.full((n, groups), 8.0) if kind == "w4a16" else torch.randint(0, 16, (n, groups)).float()
+        scales = (torch.rand(n, groups, generator=g) * 0.05).to(torch.bfloat16).float()
+        return W4A16Linear(Int4Weight(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g), scales, zeros,
+                                      8, None), cpu)
+
+    bad = 0
+    for kind in ("bf16", "fp32", "a8w8", "w4a16", "w4a16-asym"):
+        experts = [(lin(kind, 2 * I, H), lin(kind, H, I)) for _ in range(E)]
+        assert build_table(experts) is not None, kind
+        for dt in (torch.float32, torch.bfloat16):
+            for t in (1, 7):
+                x = (torch.randn(t, H, generator=g) * 2).to(dt)
+                ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
+                w = torch.softmax(torch.randn(t, K, generator=g), -1).to(dt)
+                with torch.inference_mode():
+                    a = cpu.moe_experts(x, ids, w, experts)
+                    b = grouped_moe(cpu, x, ids, w, experts)
+                ok = torch.equal(a, b) and bool(a.abs().sum() > 0)
+                bad += not ok
+                print(f"moe {kind:<10} {str(dt):<14} T={t}: {'equal' if ok else 'DIFFER'}")
+    return 1 if bad else 0
+
+
 def compare(a_path: str, b_path: str) -> int:
     import torch
 
@@ -209,18 +260,24 @@ def main() -> int:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("dump")
-    d.add_argument("--isa", choices=sorted(ISA_FLAGS), required=True)
+    d.add_argument("--isa", choices=sorted(ISAS), required=True)
     d.add_argument("--csrc", default=str(ROOT / "backend_lib/kernels/cpu/csrc"))
     d.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "qwen3_isa_builds"))
     d.add_argument("--build-dir", help="a folder of one's own for this ISA, rebuilt incrementally (ninja)")
     d.add_argument("--out", required=True)
+    m = sub.add_parser("moe")
+    m.add_argument("--isa", choices=sorted(ISAS), required=True)
+    m.add_argument("--csrc", default=str(ROOT / "backend_lib/kernels/cpu/csrc"))
+    m.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "qwen3_isa_builds"))
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")
     args = p.parse_args()
     if args.cmd == "compare":
         return compare(args.a, args.b)
-    sys.path.insert(0, str(ROOT))
+    if args.cmd == "moe":
+        build(Path(args.csrc), args.isa, Path(args.cache))
+        return moe_check()
     build(Path(args.csrc), args.isa, Path(args.cache), Path(args.build_dir) if args.build_dir else None)
     dump(args.out)
     return 0

@@ -92,3 +92,103 @@ def npu_fused_infer_attention_score(query, key, value, *, atten_mask, block_tabl
         out[start:end] = ref.attend(q, k, v, length, scale).to(query.dtype)
         start = end
     return out, lse
+
+
+# ----- the MoE ops (torch_npu's op-plugin docs: npu_moe_gating_top_k_softmax, npu_moe_init_routing_v2,
+# npu_grouped_matmul, npu_moe_finalize_routing) ------------------------------------------------------------------
+
+def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
+    """softmax over the last dim, then top-k: (y in x's dtype, expert_idx int32, row_idx int32) with
+    row_idx = arange(N * k).reshape(k, N).T."""
+    assert finished is None and x.dim() == 2 and 0 < k <= min(x.shape[-1], 1024)
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    probs = torch.softmax(x, dim=-1, dtype=torch.float32)
+    y, idx = torch.topk(probs, k, dim=-1)
+    n = x.shape[0]
+    row_idx = torch.arange(n * k, dtype=torch.int32).reshape(k, n).t().contiguous()
+    return y.to(x.dtype), idx.to(torch.int32), row_idx
+
+
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                            expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                            quant_mode=0, active_expert_range=(), row_idx_type=0):
+    """Dropless routing: sorted_expert, sorted_row = keyValueSort(expert_idx.flatten(), arange(N * K)) (stable
+    here; the docs say a key-value sort); expanded_row_idx[sorted_row[i]] = i (row_idx_type 0, a gather index) or
+    = sorted_row[i] (1); counts = histogram of the sorted experts over active_expert_range (int64, count mode 1);
+    expanded_x[i] = x[sorted_row[i] // K], quantized per row of x when quant_mode is 1 (scale = max|x| / 127,
+    round(x / scale)) with expanded_scale[i] that row's scale (fp32)."""
+    n, k = expert_idx.shape
+    assert x.dim() == 2 and x.shape[0] == n and expert_idx.dtype == torch.int32
+    assert scale is None and offset is None and drop_pad_mode == 0
+    assert active_num == n * k, "active_num is checked to equal NUM_ROWS * K"
+    assert expert_tokens_num_type == 1 and expert_tokens_num_flag, "count mode, counts returned"
+    assert quant_mode in (-1, 1) and row_idx_type in (0, 1)
+    start, end = active_expert_range
+    assert 0 <= start < end <= expert_num and start == 0 and end == expert_num
+    flat = expert_idx.reshape(-1).long()
+    assert bool(((flat >= 0) & (flat < expert_num)).all())
+    sorted_row = torch.argsort(flat, stable=True)
+    expanded_row_idx = torch.empty(n * k, dtype=torch.int32)
+    if row_idx_type == 0:
+        expanded_row_idx[sorted_row] = torch.arange(n * k, dtype=torch.int32)
+    else:
+        expanded_row_idx[:] = sorted_row.to(torch.int32)
+    counts = torch.bincount(flat, minlength=expert_num)[start:end].to(torch.int64)
+    src = sorted_row // k
+    if quant_mode == 1:
+        q, s = npu_dynamic_quant(x)
+        return q[src], expanded_row_idx, counts, s[src]
+    return x[src], expanded_row_idx, counts, torch.zeros(n * k, dtype=torch.float32)
+
+
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                       antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+                       activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
+                       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
+    """The single-tensor case split along M (group_type 0, split_item 2 / 3): x [M, K] and weight [E, K, N];
+    rows [c_0 + ... + c_{g-1}, + c_g) of x times weight[g] (group_list the counts c, group_list_type 1, or their
+    cumsum, 0). int8 x int8 with output_dtype int32 (no scales): exact int32 accumulation (the int8 GEMM of
+    vllm-ascend's decode path); float: fp32 accumulation, the output in x's dtype."""
+    assert len(x) == 1 and len(weight) == 1 and group_type == 0 and split_item in (2, 3) and act_type == 0
+    assert all(v is None for v in (bias, offset, antiquant_scale, antiquant_offset, activation_input,
+                                   activation_quant_scale, activation_quant_offset, tuning_config))
+    a, w = x[0], weight[0]
+    assert a.dim() == 2 and w.dim() == 3 and a.shape[1] == w.shape[1], f"x {tuple(a.shape)} weight {tuple(w.shape)}"
+    assert isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and group_list.dim() == 1
+    assert group_list.shape[0] == w.shape[0] and group_list.shape[0] <= 1024
+    counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+    assert group_list_type in (0, 1) and int(counts.sum()) == a.shape[0] and bool((counts >= 0).all())
+    if a.dtype == torch.int8:
+        assert w.dtype == torch.int8 and output_dtype == torch.int32 and scale is None and per_token_scale is None
+        out = torch.empty(a.shape[0], w.shape[2], dtype=torch.int32)
+    else:
+        assert w.dtype == a.dtype and scale is None and per_token_scale is None and output_dtype in (None, a.dtype)
+        out = torch.empty(a.shape[0], w.shape[2], dtype=a.dtype)
+    start = 0
+    for g, c in enumerate(counts.tolist()):
+        rows = a[start:start + c]
+        if a.dtype == torch.int8:
+            out[start:start + c] = ref.int8_matmul(rows, w[g].t())
+        else:
+            out[start:start + c] = (rows.float() @ w[g].float()).to(a.dtype)
+        start += c
+    return [out]
+
+
+def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                             export_for_source_row, drop_pad_mode=0):
+    """out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src_to_dst[idx(i, k)]] + bias[expert[i, k]]),
+    idx(i, k) = i + k * NUM_ROWS (drop_pad_mode 0, column-ordered) or i * K + k (2, row-ordered); computed here in
+    fp32, the k terms added in order, rounded once to the rows' dtype (the docs give no intermediate rounding)."""
+    assert drop_pad_mode in (0, 2) and skip1 is None and skip2 is None and bias is None
+    n, k = scales.shape
+    rows = expanded_permuted_rows
+    assert rows.dim() == 2 and rows.shape[0] == n * k and scales.dtype == rows.dtype
+    assert expanded_src_to_dst_row.dtype == torch.int32 and expanded_src_to_dst_row.shape == (n * k,)
+    assert export_for_source_row is None or export_for_source_row.shape == (n, k)
+    dst = expanded_src_to_dst_row.long()
+    out = torch.zeros(n, rows.shape[1], dtype=torch.float32)
+    for j in range(k):
+        idx = torch.arange(n) * k + j if drop_pad_mode == 2 else torch.arange(n) + j * n
+        out += scales[:, j:j + 1].float() * rows[dst[idx]].float()
+    return out.to(rows.dtype)

@@ -117,3 +117,79 @@ def test_spec_break_even_acceptance_solves_the_expected_run_length():
         assert abs(break_even_acceptance(e_star, k) - a) < 1e-9
     assert break_even_acceptance(0.9, 4) == 0.0            # speculation pays whatever is accepted
     assert break_even_acceptance(5.0, 4) == float("inf")   # not even every draft accepted pays
+
+
+def test_the_soak_report_fails_on_growth_past_its_bound_or_an_unaccounted_request_and_passes_flat_ones():
+    """bench.soak's verdict (its traffic and server are not run here): per process, the medians of the first and last
+    thirds after the warm-up; growth past both the % and the MiB bound, or past the fd bound, fails; so does a
+    request without an outcome, an unexpected one, a KV page in use or a process gone."""
+    import argparse
+
+    from bench.soak import Traffic, report
+
+    args = argparse.Namespace(minutes=1.0, rate=4.0, concurrency=4, size="tiny", sample_s=1.0, rss_bound_pct=10.0,
+                              rss_bound_mib=32.0, fd_bound=16)
+
+    def traffic(sent=10, ok=10):
+        t = Traffic("http://unused", [])
+        t.sent["stream"], t.outcomes[("stream", "ok")] = sent, ok
+        return t
+
+    flat = {"front": [(t, 90.0 + (t % 2), 16) for t in range(60)]}
+    leak = {"stub qwen3_a8w8": [(t, 400.0 + 2 * t, 7) for t in range(60)]}        # +68 MiB, 15 %: over both bounds
+    small = {"stub qwen3_a8w8": [(t, 400.0 + t / 3, 7) for t in range(60)]}       # +13 MiB: under the MiB bound
+    fds = {"front": [(t, 90.0, 16 + t) for t in range(60)]}
+    ok = report(args, traffic(), flat, 60.0, 10.0, 0, True)
+    assert ok["ok"] and "within every bound" in ok["report"] and "| front | 90." in ok["report"]
+    assert report(args, traffic(), small, 60.0, 10.0, 0, True)["ok"]
+    for samples, t, pages, alive, words in ((leak, traffic(), 0, True, "stub qwen3_a8w8: RSS"),
+                                            (fds, traffic(), 0, True, "front: RSS"),
+                                            (flat, traffic(ok=9), 0, True, "1 requests without an outcome"),
+                                            (flat, traffic(), 3, True, "3 KV pages"),
+                                            (flat, traffic(), 0, False, "exited")):
+        result = report(args, t, samples, 60.0, 10.0, pages, alive)
+        assert not result["ok"] and any(words in f for f in result["failures"]), result["failures"]
+
+
+def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
+    """The MoE group (bench/moe_group.py): the bytes a batch-1 token reads on the 30B-A3B shape, part by part, in
+    the engine's packed forms; the GGUF files a MoE checkpoint converts to (Q8_0 and Q4_0); the report's ratios."""
+    import json
+
+    from bench import llamacpp
+    from bench.moe_group import bytes_per_token
+
+    cfg = {"hidden_size": 2048, "head_dim": 128, "num_attention_heads": 32, "num_key_value_heads": 4,
+           "num_hidden_layers": 4, "moe_intermediate_size": 768, "num_local_experts": 128, "num_experts_per_tok": 8,
+           "vocab_size": 151936}
+    a8 = bytes_per_token(cfg, "a8w8", context=0)
+    # 8 experts x (gate_up 1536 x 2048 + down 2048 x 768) int8, + an fp32 scale and column sum per row
+    assert a8["experts"] == 4 * 8 * (1536 * 2048 + 8 * 1536 + 2048 * 768 + 8 * 2048)
+    assert a8["router"] == 4 * 128 * 2048 * 2 and a8["kv"] == 0
+    assert a8["attention"] == 4 * (5120 * 2048 + 8 * 5120 + 2048 * 4096 + 8 * 2048 + 2 * (2 * 2048 + 2 * 128))
+    assert a8["head"] == 151936 * 2048 + 8 * 151936 + 4 * 2048
+    assert a8["total"] == sum(v for k, v in a8.items() if k != "total")
+    w4 = bytes_per_token(cfg, "w4a16", context=100)
+    assert w4["experts"] == 4 * 8 * (1536 * 1024 + 1536 * 16 * 8 + 2048 * 384 + 2048 * 6 * 8)
+    assert w4["kv"] == 4 * 100 * 4 * 128 * 2 * 2
+
+    moe = tmp_path / "qwen3-30b-a3b-l4-bf16"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    assert llamacpp.is_moe(moe) and not llamacpp.is_moe(tmp_path)
+    paths = llamacpp.gguf_paths(moe, tmp_path, ("q8_0", "q4_0"))
+    assert {k: p.name for k, p in paths.items()} == {"bf16": "qwen3-30b-a3b-l4-bf16.gguf",
+                                                     "q8_0": "qwen3-30b-a3b-l4-q8_0.gguf",
+                                                     "q4_0": "qwen3-30b-a3b-l4-q4_0.gguf"}
+    assert llamacpp.QUANTS == {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+
+    rows = [{"group": "moe", "system": s, "mode": "decode", "batch": b, "decode_tokens_per_s": v}
+            for s, b, v in (("engine A8W8", 1, 30.0), ("llama.cpp Q8_0", 1, 20.0), ("engine A8W8", 16, 160.0),
+                            ("llama.cpp Q8_0", 16, 80.0))]
+    rows.append({"group": "moe", "system": "engine A8W8", "mode": "summary", "layers": 4, "stream_gbs": 30.0,
+                 "bytes_per_token": a8, "floor_tokens_per_s": 40.0, "vs_floor_b1": 0.75, "vs_llamacpp_b1": 1.5,
+                 "vs_llamacpp_b16": 2.0})
+    write_report(rows, {"cpu": "test", "cores": 2, "isa": []}, tmp_path)
+    md = (tmp_path / "table.md").read_text()
+    assert f"| engine A8W8 | 30.0 | 160.0 | {a8['total'] / 1e6:.1f} MB | 40.0 | 0.75 | 1.50 | 2.00 |" in md
+    assert "| llama.cpp Q8_0 | 20.0 | 80.0 |" in md

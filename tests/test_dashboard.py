@@ -3,57 +3,11 @@ query is per model (the `model` template variable), and every metric a query nam
 exports (scraped from the `triton` fixture's metrics port after a request)."""
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
-from helpers import ROOT
-
-DASHBOARD = ROOT / "deploy" / "grafana" / "qwen3-triton.json"
-
-# PromQL words that are not metric names: aggregation/grouping keywords and binary operators. Functions and
-# aggregations are recognised by the "(" after them.
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-             "offset", "atan2", "inf", "nan"}
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
-_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects. A small reader, not a PromQL parser (none is on PyPI for
-    Python without a Go toolchain): strings, label matchers ({...}), range and subquery brackets ([...]) and
-    grouping label lists (by (...)) are removed, then every identifier not followed by "(" (a function or an
-    aggregation) and not a keyword or a number is a metric name."""
-    text = _STRING.sub('""', expr)
-    text = re.sub(r"\{[^}]*\}", " ", text)
-    text = re.sub(r"\[[^\]]*\]", " ", text)
-    text = _GROUPING.sub(" ", text)
-    names = set()
-    for m in _IDENT.finditer(text):
-        rest = text[m.end():].lstrip()
-        if rest.startswith("(") or m.group().lower() in _KEYWORDS:
-            continue
-        if m.start() > 0 and (text[m.start() - 1].isdigit() or text[m.start() - 1] in ".$"):
-            continue   # 1e3's "e3", a Grafana variable ($__rate_interval)
-        names.add(m.group())
-    return names
-
-
-def dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def queries(dash: dict) -> list[tuple[str, str]]:
-    """(where, PromQL) of every panel target and every query template variable."""
-    out = [(f"panel {p['title']!r} {t['refId']}", t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
-    for var in dash["templating"]["list"]:
-        if var["type"] == "query":
-            q = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
-            inner = re.fullmatch(r"label_values\((.*),\s*\w+\)", q)
-            out.append((f"variable {var['name']}", inner.group(1) if inner else q))
-    return out
+from dashboard_helpers import SPEC_PREFIX, dashboard, exported_sample_names, metric_names, queries, unexported
 
 
 def test_the_metric_name_reader():
@@ -70,7 +24,9 @@ def test_the_panels_cover_the_serving_signals_per_model():
     for needed in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
                    "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                    "vllm:time_per_output_token_seconds_bucket", "vllm:kv_cache_pages_used",
-                   "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total"):
+                   "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total",
+                   "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
+                   "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
         assert needed in exprs, needed
     for quantile in ("0.5", "0.9", "0.99"):
         assert f"histogram_quantile({quantile}, sum by (le, model) (rate(vllm:time_to_first_token_seconds_bucket" \
@@ -87,16 +43,6 @@ def test_the_panels_cover_the_serving_signals_per_model():
         assert p["datasource"]["uid"] == "${datasource}", p["title"]
 
 
-def exported_sample_names(text: str) -> set[str]:
-    """Names of the samples on a Prometheus text page (histograms as their _bucket/_sum/_count series)."""
-    return {re.match(r"[^{\s]+", line).group() for line in text.splitlines() if line and not line.startswith("#")}
-
-
-def unexported(dash: dict, exported: set[str]) -> set[tuple[str, str]]:
-    """(where, metric) of every metric a query names that is not among `exported`."""
-    return {(where, name) for where, expr in queries(dash) for name in metric_names(expr) if name not in exported}
-
-
 @pytest.mark.slow
 @pytest.mark.server
 def test_every_query_names_a_metric_the_server_exports(triton):
@@ -107,11 +53,17 @@ def test_every_query_names_a_metric_the_server_exports(triton):
     page = triton.metrics()
     exported = exported_sample_names(page)
     assert "vllm:time_to_first_token_seconds_bucket" in exported   # the page was read, histograms included
-    assert not unexported(dashboard(), exported), sorted(unexported(dashboard(), exported))
-    for name in {n for _, e in queries(dashboard()) for n in metric_names(e)}:   # per model, both models
+    # the speculative-decoding panel's counters exist only on a model with speculative_config: they are checked
+    # against such a server in tests/test_speculative_server.py
+    missing = {(where, n) for where, n in unexported(dashboard(), exported) if not n.startswith(SPEC_PREFIX)}
+    assert not missing, sorted(missing)
+    assert {where.split(" ", 1)[1].rsplit(" ", 1)[0] for where, n in unexported(dashboard(), exported)} \
+        == {"'Speculative decoding: acceptance'"}
+    for name in {n for _, e in queries(dashboard()) for n in metric_names(e) if not n.startswith(SPEC_PREFIX)}:
         for model in ("qwen3_a8w8", "qwen3_tq"):
             assert re.search(rf'^{re.escape(name)}\{{[^}}]*model="{model}"', page, re.M), (name, model)
     # the check is live: a panel with a misspelled metric is reported
     broken = dashboard()
     broken["panels"][0]["targets"][0]["expr"] = 'sum(vllm:num_request_running{model=~"$model"})'
-    assert {name for _, name in unexported(broken, exported)} == {"vllm:num_request_running"}
+    assert {name for _, name in unexported(broken, exported) if not name.startswith(SPEC_PREFIX)} \
+        == {"vllm:num_request_running"}

@@ -185,6 +185,35 @@ def test_openai_sdk_embeddings(server, front):
     assert raw["object"] == "list" and raw["data"][0]["object"] == "embedding"
 
 
+def test_langchain_openai_embeddings(server, front):
+    """langchain-openai's OpenAIEmbeddings, unchanged, as its docs configure it for an OpenAI-compatible server
+    (check_embedding_ctx_length=False: it then sends the texts, not tiktoken's ids of OpenAI's vocabulary)."""
+    from langchain_openai import OpenAIEmbeddings
+
+    emb = OpenAIEmbeddings(model="qwen3_embed", base_url=f"{front.url}/v1", api_key="unused",
+                           check_embedding_ctx_length=False, chunk_size=4)
+    direct = [_infer(server.grpc_url, "qwen3_embed", text_input=t)[0] for t in TEXTS]
+    docs = emb.embed_documents(TEXTS)   # 6 texts in chunks of 4: two requests
+    assert len(docs) == len(TEXTS)
+    for got, want in zip(docs, direct):
+        assert np.array_equal(np.array(got, dtype=np.float32), want)
+    assert np.array_equal(np.array(emb.embed_query(QUERY), dtype=np.float32),
+                          _infer(server.grpc_url, "qwen3_embed", text_input=QUERY)[0])
+    small = OpenAIEmbeddings(model="qwen3_embed", base_url=f"{front.url}/v1", api_key="unused",
+                             check_embedding_ctx_length=False, dimensions=8)
+    got = small.embed_query(TEXTS[1])
+    assert len(got) == 8 and _cos(got, direct[1][:8]) > 0.99999
+
+
+def test_models_list_names_the_embedding_and_rerank_models(front):
+    client = front.client()
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["qwen3_embed", "qwen3_embed_a8w8", "qwen3_rerank"]   # no LLM in this repository
+    assert client.models.retrieve("qwen3_rerank").id == "qwen3_rerank"
+    r = requests.get(f"{front.url}/v1/models/no_such_model", timeout=30)
+    assert r.status_code == 404 and "no_such_model" in r.text
+
+
 def front_ckpt(server):
     """The embedding checkpoint the server's qwen3_embed names."""
     import re

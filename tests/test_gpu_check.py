@@ -30,5 +30,7 @@ def test_gpu_check_dry_run_passes_and_reports(tmp_path):
     assert all(d["eager_tokens_per_s"] > 0 and d["graph_tokens_per_s"] is None and 0 < d["share_of_floor"]
                for d in r["decode"])
     assert r["gemv"] and r["gemv"][0]["GBps"] > 0
+    moe = [c for c in r["checks"] if c["check"].startswith("fused moe a8w8")]
+    assert len(moe) == 2 and all(c["bit_exact"] for c in moe) and [m["GBps"] > 0 for m in r["moe"]] == [True] * 2
     last = proc.stdout.strip().splitlines()[-1].split()
     assert last[:2] == ["tiny", "2"]          # the table comes last

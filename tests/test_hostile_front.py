@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -212,3 +213,126 @@ def test_a_stream_whose_client_never_reads_is_ended_and_frees_the_model(triton, 
     print(f"\nunread streams: 2 clients x 4 choices of 900 tokens never read: the front ended all 8 {ended_s:.1f} s "
           f"after they were sent ({by_abort:.0f} aborted in the model, the rest had finished first), KV pages "
           f"back to 0 after {freed_s:.1f} s with the sockets still open")
+
+
+# ----- forced tool calls cut by max_tokens ----------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                                           "unit": {"enum": ["c", "f"]}},
+                                          "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def _calls(message: dict) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+
+
+def test_forced_tool_calls_cut_by_max_tokens_return_the_complete_calls(front, solo):
+    """tool_choice required, sampled (seeded) until an answer has two calls or more; the same request with
+    max_tokens cutting its last call: the complete calls before it come back as tool_calls (the same as in the
+    whole answer), finish_reason length, nothing of the cut call as content, streamed alike; a greedy client beside
+    is exact."""
+    body = {"model": "qwen3_a8w8", "messages": [{"role": "user", "content": "Weather in Paris and Rome?"}],
+            "tools": [WEATHER], "tool_choice": "required", "temperature": 1.0, "max_tokens": 160,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    post = lambda **kw: requests.post(f"{front.url}/v1/chat/completions", json={**body, **kw}, timeout=120)  # noqa: E731
+    whole = None
+    for seed in range(40):
+        r = post(seed=seed).json()
+        if r["choices"][0]["finish_reason"] == "tool_calls" and len(_calls(r["choices"][0]["message"])) >= 2:
+            whole = r
+            break
+    assert whole is not None, "no seed gave two calls"
+    calls = _calls(whole["choices"][0]["message"])
+    cut_at = whole["usage"]["completion_tokens"] - 4   # inside the last call's JSON
+    with ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(_greedy, front)
+        cut = post(seed=seed, max_tokens=cut_at).json()
+        assert beside.result(timeout=120) == solo
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == cut_at, cut
+    assert _calls(choice["message"]) == calls[:-1] and not choice["message"].get("content"), cut
+    streamed, finish = {}, None
+    with requests.post(f"{front.url}/v1/chat/completions", json={**body, "seed": seed, "max_tokens": cut_at,
+                                                                 "stream": True}, stream=True, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            for c in json.loads(line[6:]).get("choices", []):
+                assert not c["delta"].get("content"), c
+                for tc in c["delta"].get("tool_calls") or []:
+                    entry = streamed.setdefault(tc["index"], ["", ""])
+                    entry[0] += tc.get("function", {}).get("name") or ""
+                    entry[1] += tc.get("function", {}).get("arguments") or ""
+                finish = c.get("finish_reason") or finish
+    assert [tuple(e) for _, e in sorted(streamed.items())] == calls[:-1] and finish == "length"
+
+
+# ----- priority aging through the server ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def priority_front(tmp_path_factory, a8w8_ckpt):
+    """A server whose qwen3_a8w8 schedules by priority one sequence at a time, and the front as serve.sh starts it."""
+    from harness.triton_server import TritonServer, make_repository
+    from helpers import SERVER_ENGINE
+
+    root = tmp_path_factory.mktemp("priority")
+    repo = make_repository(root / "models", {
+        "qwen3_a8w8": {**SERVER_ENGINE, "checkpoint": str(a8w8_ckpt), "scheduling_policy": "priority",
+                       "max_num_seqs": "1"},
+        "qwen3_tokenizer": {"checkpoint": str(a8w8_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]}})
+    server = TritonServer(repo, root / "tritonserver.log").start()
+    f = Front(server.grpc_url, root / "front.log", "--host", "127.0.0.1", "--triton-metrics-url",
+              f"http://127.0.0.1:{server.metrics_port}/metrics", "--log-level", "warning")
+    yield f
+    f.stop()
+    server.stop()
+
+
+def test_a_low_priority_request_beside_a_flood_of_high_priority_ones_finishes_within_the_aging_bound(priority_front):
+    """8 clients keep high-priority requests (priority -1) queued without a pause, one slot; a priority-0 request
+    sent into the flood is overtaken by at most PRIORITY_AGING (64) later arrivals (plus those of the 8 clients that
+    were ahead of it by arrival), finishes while the flood goes on (without aging it would wait for all 600), and
+    gets its solo tokens."""
+    from backend_lib.engine.scheduler import PRIORITY_AGING
+
+    front, flooders = priority_front, 8
+    low = {**GREEDY, "max_tokens": 12, "priority": 0}
+    high = {**GREEDY, "prompt": "Flood", "max_tokens": 3, "priority": -1}
+    post = lambda b: requests.post(f"{front.url}/v1/completions", json=b, timeout=300)  # noqa: E731
+    alone = post(low)
+    assert alone.status_code == 200, alone.text
+    solo_text = alone.json()["choices"][0]["text"]
+    done: list[str] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def flood():
+        while not stop.is_set():
+            r = post(high)
+            assert r.status_code == 200, r.text
+            with lock:
+                done.append("high")
+                if len(done) > 600:   # the bound is long past: give up (the assertion below then fails)
+                    stop.set()
+
+    with ThreadPoolExecutor(flooders) as pool:
+        floods = [pool.submit(flood) for _ in range(flooders)]
+        while len(done) < 2 * flooders:   # the queue is full of high-priority requests
+            time.sleep(0.05)
+        with lock:
+            sent_at = len(done)
+        r = post(low)
+        with lock:
+            finished_at = len(done)
+        time.sleep(0.5)
+        stop.set()
+        for f in floods:
+            f.result(timeout=300)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == solo_text
+    overtaken = finished_at - sent_at
+    # counted at the clients: besides the 64 later arrivals the aging lets pass, the flooders' requests queued when
+    # it was sent and those sent again while it went through the front (ahead of it by arrival), one each at most
+    assert overtaken <= PRIORITY_AGING + 2 * flooders + 1, overtaken
+    assert len(done) > finished_at, "the flood had ended before the low-priority request finished"
+    print(f"\npriority aging: a priority-0 request sent into a flood of priority -1 requests (8 clients, one slot) "
+          f"finished after {overtaken} of them (bound {PRIORITY_AGING} later arrivals + up to {2 * flooders + 1} "
+          f"ahead of it), its tokens exact")

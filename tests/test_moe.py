@@ -322,6 +322,52 @@ def test_cpu_a8w8_moe_equals_the_reference_bit_for_bit(moe_a8w8_ckpt, dtype):
     assert torch.equal(ref, cpu) and ref.abs().sum() > 0
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "a8w8", "w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_native_moe_op_equals_the_composed_slot_bit_for_bit(ckpts, moe_bf16_ckpt, moe_a8w8_ckpt, fmt, dtype):
+    """csrc/moe.cpp (one parallel region per MoE layer) against the composed slot (kernels/moe.py) on the same
+    routing, batched and alone, every format: the same bits; a routing with ties and repeated experts too."""
+    from backend_lib.kernels import get_kernels
+    from backend_lib.kernels.cpu.moe import build_table
+    from backend_lib.kernels.moe import grouped_moe
+    from backend_lib.layers.moe import route
+
+    cpu = get_kernels("cpu", "cpu")
+    if fmt == "w4a16-asym":
+        ckpt = ckpts.get("tiny-moe-w4a16-asym", "w4a16", "tiny-moe", symmetric=False)
+    else:
+        ckpt = {"bf16": moe_bf16_ckpt, "a8w8": moe_a8w8_ckpt}.get(fmt) or ckpts.get("tiny-moe-w4a16", "w4a16",
+                                                                                   "tiny-moe")
+    block = _moe_block(ckpt, cpu, dtype)
+    assert build_table(block.expert_pairs) is not None   # the native op takes this layer
+    x = _hidden(dtype=dtype)
+    with torch.inference_mode():
+        ids, w = route(block.gate.forward(x), 2, True)
+        native = cpu.moe_experts(x, ids, w, block.expert_pairs)
+        composed = grouped_moe(cpu, x, ids, w, block.expert_pairs)
+        solo = torch.cat([cpu.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], block.expert_pairs)
+                          for i in range(x.shape[0])])
+        # every expert at once (k = 8, each token all experts, in shuffled order)
+        ids8 = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i)) for i in range(5)])
+        w8 = torch.softmax(torch.randn(5, 8, generator=torch.Generator().manual_seed(1)), -1).to(dtype)
+        all8 = cpu.moe_experts(x[:5], ids8, w8, block.expert_pairs)
+        all8_composed = grouped_moe(cpu, x[:5], ids8, w8, block.expert_pairs)
+    assert torch.equal(native, composed) and native.abs().sum() > 0
+    assert torch.equal(native, solo)
+    assert torch.equal(all8, all8_composed)
+
+
+def test_cpu_native_moe_op_refuses_expert_ids_out_of_range(moe_a8w8_ckpt):
+    from backend_lib.kernels import get_kernels
+
+    cpu = get_kernels("cpu", "cpu")
+    block = _moe_block(moe_a8w8_ckpt, cpu, torch.bfloat16)
+    x = _hidden(t=2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="expert id 8 out of range"):
+        cpu.moe_experts(x, torch.tensor([[0, 8], [1, 2]]), torch.ones(2, 2, dtype=torch.bfloat16),
+                        block.expert_pairs)
+
+
 def test_moe_combine_is_transformers_expert_loop(moe_bf16_ckpt):
     """The slot's combine against transformers' Qwen3MoeExperts on the same routing (reference set, fp32): each
     routed expert's output times its weight, added in ascending expert index."""
@@ -407,3 +453,33 @@ def test_triton_set_a8w8_moe_is_the_reference_and_batch_invariant(moe_a8w8_ckpt)
         solo = torch.cat([tri.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], tri_block.expert_pairs)
                           for i in range(3)])
         assert torch.equal(solo, got[:3])
+
+
+# ----- the streamed demo writer (the full 30B-A3B shape without holding it) ------------------------------------
+
+@pytest.mark.parametrize("fmt", ["bf16", "a8w8", "w4a16"])
+def test_streamed_moe_checkpoint_is_the_published_layout_in_shards(ckpts, moe_bf16_ckpt, moe_a8w8_ckpt, fmt, tmp_path):
+    """make_demo_checkpoint --stream (tools/moe_stream_writer.py): the same tensor names, shapes and dtypes and
+    the same config as the in-memory writer, across several shards with their index; the engine loads it and
+    greedy decoding gives transformers' ids on the bf16 one."""
+    from backend_lib.tools.make_demo_checkpoint import qwen3_config
+    from backend_lib.tools.moe_stream_writer import write_streamed
+
+    ref = {"bf16": moe_bf16_ckpt, "a8w8": moe_a8w8_ckpt}.get(fmt) or ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe")
+    out = copy_without_weights(ref, tmp_path / fmt)
+    (out / "config.json").unlink()
+    write_streamed(out, qwen3_config("tiny-moe"), fmt, group_size=32, shard_bytes=64 * 1024)
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) >= 3
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in shards}
+    a, b = read_all(ref), read_all(out)
+    assert sorted(a) == sorted(b) == sorted(index["weight_map"])
+    assert all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in a)
+    assert json.loads((ref / "config.json").read_text()) == json.loads((out / "config.json").read_text())
+    if fmt == "bf16":
+        check_greedy_equals_transformers(out, out, n=8, prompts=PROMPTS[:2])
+    else:
+        eng = make_engine(out)
+        res = eng.generate([eng.tokenizer.encode(PROMPTS[0])], greedy(eng, 8))
+        assert len(res[0]["output_ids"]) == 8

@@ -152,3 +152,23 @@ def test_a_sampled_decode_step_makes_one_device_to_host_copy(a8w8_ckpt):
     host_reads = (DataDependentOutputException, DynamicOutputShapeException)
     with mode, torch.no_grad(), pytest.raises(host_reads):   # copies B x vocab logits, reads them on the host
         Sampler()(logits.cpu(), seqs)
+
+
+@pytest.mark.parametrize("fmt", ["a8w8", "bf16"])
+def test_a_moe_decode_step_with_the_fused_triton_moe_never_syncs(moe_a8w8_ckpt, moe_bf16_ckpt, fmt):
+    """Qwen3-MoE: the router, the top-k, the pairs' sort and padding (kernels/triton/moe.py's align) and the
+    fused expert kernels all stay on the device. The composed path (kernels/moe.py, which counts each expert's
+    pairs on the host) does not: the control."""
+    from backend_lib.kernels.triton.experts import PackedExperts
+
+    ckpt = moe_a8w8_ckpt if fmt == "a8w8" else moe_bf16_ckpt
+    runner, mode = _runner(ckpt, TRITON, "bf16")
+    sparse = [m for m in runner.model.modules() if hasattr(m, "moe_weights")]
+    assert sparse and all(isinstance(m.moe_weights, PackedExperts) for m in sparse)
+    logits = _decode(runner, mode)
+    assert logits.device.type == "cuda" and tuple(logits.shape) == (3, runner.model.cfg.vocab_size)
+    for m in sparse:             # back to the per-expert pairs (a plain attribute, not the packed submodule)
+        del m.moe_weights
+        vars(m)["moe_weights"] = m.expert_pairs
+    with pytest.raises((DataDependentOutputException, DynamicOutputShapeException)):   # bincount, .tolist()
+        _decode(runner, mode)

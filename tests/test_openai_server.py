@@ -68,7 +68,7 @@ def wait_until(predicate, timeout: float, period: float = 0.05) -> bool:
 
 
 # ----- health and models ----------------------------------------------------------------------------
-def test_health_and_models_list_only_the_llm_models(front, client):
+def test_health_and_models_list_the_llm_models_not_the_tokenizer_or_ensembles(front, client):
     assert requests.get(f"{front.url}/health", timeout=10).status_code == 200
     assert [m.id for m in client.models.list()] == ["qwen3_a8w8", "qwen3_tq"]
     assert client.models.retrieve("qwen3_tq").id == "qwen3_tq"

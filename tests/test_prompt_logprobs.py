@@ -83,3 +83,62 @@ def test_prompt_scoring_is_bounded_by_a_budget_named_in_the_error(bf16_ckpt):
                                            r"is 4221 entries, over this model's budget of 4200 \(max_prompt_scoring\)"):
         eng.make_request("big", [9707] * 201, _params(eng, prompt_logprobs=20))
     eng.make_request("ok", [9707] * 200, _params(eng, prompt_logprobs=20, max_tokens=1))   # 4200: admitted
+
+
+def _run_counting_steps(eng, requests):
+    """requests: (id, prompt ids, params) added in order before the first step; runs to completion. Returns each
+    request's result, the step each finished at and the scored prompt rows of every step."""
+    res = {rid: {"output_ids": [], "prompt_logprobs": None, "finish_reason": None} for rid, _, _ in requests}
+    for rid, ids, p in requests:
+        eng.add_request(rid, ids, p)
+    finished, scored_rows, step = {}, [], 0
+    plan_of = eng.scheduler.next_step
+
+    def recording():
+        plan = plan_of()
+        scored_rows.append(sum(n for seq, n in plan.seqs if seq.scoring))
+        return plan
+    eng.scheduler.next_step = recording
+    try:
+        while eng.has_unfinished():
+            step += 1
+            for out in eng.step():
+                r = res[out.request_id]
+                r["output_ids"] += out.new_token_ids
+                if out.prompt_logprobs is not None:
+                    r["prompt_logprobs"] = out.prompt_logprobs
+                if out.finished:
+                    r["finish_reason"], finished[out.request_id] = out.finish_reason, step
+    finally:
+        del eng.scheduler.next_step
+    return res, finished, scored_rows
+
+
+def test_a_big_scoring_request_leaves_the_others_their_share_with_the_same_bits(bf16_ckpt):
+    """Four long prompts scored with top 5 (a 4-choice scoring request) queued before a short greedy request:
+    scoring takes at most max_scoring_tokens_per_step prompt rows a step and the short request is admitted at
+    once, finishing after max_tokens steps with its solo ids; with the share at the whole step (the old
+    scheduling) it waited for every scoring prefill. The scored logprobs and every generated id are the same
+    bits either way, and score()'s."""
+    eng = make_engine(bf16_ckpt, max_num_batched_tokens=32, max_scoring_tokens_per_step=8)
+    assert eng.scheduler.max_scoring_tokens == 8
+    ids = eng.tokenizer.encode(TEXT)[:72]
+    prompts = [ids[i:] + ids[:i] for i in range(4)]
+    short = eng.tokenizer.encode("Hello there")[:3]
+    requests = [(f"score{i}", p, _params(eng, prompt_logprobs=5, max_tokens=3)) for i, p in enumerate(prompts)]
+    requests.append(("short", short, _params(eng, max_tokens=4)))
+    alone = eng.generate([short], _params(eng, max_tokens=4))[0]["output_ids"]
+    new, new_steps, new_rows = _run_counting_steps(eng, requests)
+    eng.scheduler.max_scoring_tokens = eng.cfg.max_num_batched_tokens   # the old scheduling: no share
+    old, old_steps, old_rows = _run_counting_steps(eng, requests)
+    assert new["short"]["output_ids"] == alone == old["short"]["output_ids"]
+    assert new_steps["short"] <= 4 + 1, new_steps      # admitted in the first step, one token a step
+    # without the share it is admitted only once the last scoring prompt is (4 x 72 prompt rows at 32 a step)
+    assert old_steps["short"] >= 4 + 4 * 72 // 32 - 1 > new_steps["short"] + 5, old_steps
+    assert max(new_rows) == 8 and max(old_rows) == 32
+    for i, p in enumerate(prompts):
+        r, o = new[f"score{i}"], old[f"score{i}"]
+        assert r == o, "chunking the scoring changed its bits"
+        assert len(r["prompt_logprobs"]) == len(p) and all(len(e["top"]) == 5 for e in r["prompt_logprobs"][1:])
+    assert [e["logprob"] for e in new["score1"]["prompt_logprobs"][1:]] == eng.score(prompts[1])[1:]
+    assert eng.block_manager.num_used == 0

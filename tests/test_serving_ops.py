@@ -250,3 +250,24 @@ def test_a_dead_engine_fails_requests_at_once_unloads_the_model_and_tells_the_la
     assert late.sender.responses[0]["error"].code == "UNAVAILABLE"
     assert any(level == "error" and "engine thread has died" in m for level, m in FakeLogger.lines)
     assert any(level == "error" and "Die: engine thread killed" in m for level, m in FakeLogger.lines)
+
+
+def test_slow_cancellation_sweeps_never_starve_the_responses_behind_them():
+    """The response thread handles one queued output, then sweeps when the pacer says so. A sweep that takes
+    longer than CANCEL_SWEEP_S (many open requests, a loaded host: one server round trip each) once made it sweep
+    after every single output, so 1 output per sweep went out and an abort's final response waited behind
+    thousands (the disconnect storm's fallback). Paced, sweeps take at most 1 / (1 + SWEEP_SPACING) of the thread
+    however long they are (a virtual clock: 1 ms an output)."""
+    from backend_lib.serving.triton_llm import SWEEP_SPACING, SweepPacer
+
+    for sweep_s in (0.01, 0.25, 2.0):
+        pacer, now, outputs, sweeping = SweepPacer(), 0.0, 0, 0.0
+        while now < 120.0:
+            now += 0.001
+            outputs += 1
+            if pacer.due(now):
+                pacer.swept(now, now + sweep_s)
+                now += sweep_s
+                sweeping += sweep_s
+        assert sweeping / now <= 1 / (1 + SWEEP_SPACING) + 0.01, (sweep_s, sweeping / now)
+        assert outputs >= 0.79 * now / 0.001, (sweep_s, outputs)   # the old pacing: 120 s / sweep_s outputs

@@ -67,7 +67,8 @@ def test_speculative_config_takes_vllms_keys():
 
 
 @pytest.mark.parametrize("value, key", [
-    ({"method": "eagle3", "num_speculative_tokens": 3}, "speculative_config.method"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "speculative_config.method"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "speculative_config.model"),   # eagle3 needs its head
     ({"method": "medusa2", "num_speculative_tokens": 3}, "speculative_config.method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),

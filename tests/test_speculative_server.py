@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from dashboard_helpers import SPEC_PREFIX, dashboard, exported_sample_names, metric_names, queries
 from helpers import SERVER_ENGINE, collect, make_peft_adapter
 from harness.triton_server import TritonServer, make_repository
 
@@ -130,3 +131,18 @@ def test_served_lora_rows_with_a_draft_model_equal_speculation_off(server):
     assert _ids(base) != _ids(on[0])    # the adapter changes the output: the rows ran with it
     assert server.wait_until(
         lambda: server.metric("vllm:spec_decode_num_draft_tokens_total", "qwen3_draft") > drafted, 5)
+
+
+def test_the_dashboards_speculative_decoding_panel_names_exported_counters(server):
+    """deploy/grafana's spec_decode queries select counters this server exports for the speculating model (the
+    dashboard's other queries are checked by tests/test_dashboard.py against the plain server)."""
+    import re
+
+    collect(server.grpc_url, "qwen3_spec", prompt=PROMPTS[0], sampling_parameters=GREEDY)
+    page = server.metrics()
+    exported = exported_sample_names(page)
+    names = {n for _, e in queries(dashboard()) for n in metric_names(e) if n.startswith(SPEC_PREFIX)}
+    assert len(names) == 4, names
+    for name in names:
+        assert name in exported, name
+        assert re.search(rf'^{re.escape(name)}\{{[^}}]*model="qwen3_spec"', page, re.M), name

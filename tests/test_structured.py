@@ -262,3 +262,48 @@ def test_json_integers_are_bounded_to_16_digits_by_default_a_schemas_own_bounds_
     assert nested["anyOf"][0]["maximum"] == INTEGER_BOUND and nested["items"]["minimum"] == -INTEGER_BOUND
     assert nested["const"] == {"type": "integer"}    # data, not a schema: untouched
     assert nested["$defs"]["a"] == {"type": "integer", "maximum": 5, "minimum": -INTEGER_BOUND}
+
+
+def _masked_accepts(engine, so: dict, text: str) -> bool:
+    """Whether `text` (as the tokenizer splits it) gets through the request's masks token by token (the grammar's
+    and the digit bound on top of it) and completes the grammar."""
+    import torch
+
+    state = engine.grammar.matcher(StructuredSpec.parse(so), False)
+    mask = torch.zeros((engine.vocab_size + 31) // 32, dtype=torch.int32)
+    for tok in engine.tokenizer.encode(text):
+        state.fill_mask(mask)
+        if not (int(mask[tok >> 5]) >> (tok & 31)) & 1:
+            return False
+        state.accept(tok)
+    return state.matcher.is_accepting()
+
+
+def test_every_part_of_a_json_number_is_bounded_to_16_digits_strings_and_a_schemas_own_numbers_not(engine, prompt):
+    """llama.cpp's integral, fraction and exponent parts of at most 16 digits each, for numbers too (llguidance
+    1.9 has no option for it: backend_lib/sampling/json_digits.py): in a json schema, json_object and tool calls;
+    digits inside strings are not bounded, and a schema that names a longer number keeps its own. A random model
+    pushed to write digits (logit_bias +100 on every digit) ends its number within the bounds."""
+    num = {"json": {"type": "object", "properties": {"x": {"type": "number"}, "s": {"type": "string"}},
+                    "required": ["x"]}}
+    d16, d17 = "1" * 16, "1" * 17
+    for text in (f'{{"x": {d16}.{d16}e-{d16}}}', f'{{"x": -0.{d16}E+7}}', f'{{"x": 1e{d16}, "s": "{d17 * 3}"}}'):
+        assert _masked_accepts(engine, num, text), text
+    for text in (f'{{"x": 1.{d17}}}', f'{{"x": 1e{d17}}}', f'{{"x": {d17}}}'):
+        assert _accepts(engine, num, text), "llguidance alone takes it"
+        assert not _masked_accepts(engine, num, text), text
+    obj = {"json_object": True}
+    assert _masked_accepts(engine, obj, f'{{"a": [{d16}.5, "{d17}"]}}')
+    assert not _masked_accepts(engine, obj, f'{{"a": [{d17}.5]}}')
+    own = {"json": {"type": "integer", "minimum": 0, "maximum": 10**18}}
+    assert _masked_accepts(engine, own, "123456789012345678")   # the schema names a 19-digit bound: its own wins
+    digits = {str(i): 100 for i in engine.tokenizer.encode("0123456789")}
+    assert len(digits) == 10
+    data = {"temperature": 1.0, "seed": 3, "max_tokens": 120, "logit_bias": digits,
+            "structured_outputs": {"json": {"type": "number"}}}
+    unbounded = {**data, "structured_outputs": {"json": own["json"]}}
+    got, free = _run(engine, [prompt, prompt], [data, unbounded])
+    assert got["finish_reason"] == "stop", got
+    parts = re.fullmatch(r"-?([0-9]+)(?:\.([0-9]+))?(?:[eE][+-]?([0-9]+))?", got["text"])
+    assert parts and all(len(p) <= 16 for p in parts.groups() if p), got["text"]
+    assert len(free["text"]) > 16 and free["text"].isdigit(), free   # its own bound: more than 16 digits

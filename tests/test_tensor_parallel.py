@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from backend_lib.parallel.shard import shard_heads, split
+from helpers import make_engine
 
 PROMPTS = ["9707,11,1879,0", "3,4,5", "151644,872,198,9707"]
 DTYPES = "float32,bfloat16"
@@ -124,6 +125,89 @@ def test_the_engine_at_tp2_gives_tp1s_greedy_and_seeded_ids(a8w8_ckpt, kv_cache)
         two.runner.tp.close()
 
 
+@pytest.fixture(scope="module")
+def tp_adapters(tmp_path_factory, bf16_ckpt):
+    """Two PEFT adapters of the tiny architecture: every projection (r 8), and the MLP only with rsLoRA (r 4)."""
+    from helpers import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("tp_adapters")
+    return {"all": str(make_peft_adapter(bf16_ckpt, root / "all", r=8, seed=1)[0]),
+            "mlp": str(make_peft_adapter(bf16_ckpt, root / "mlp", r=4, alpha=8, use_rslora=True, seed=3, std=0.2,
+                                         targets=("gate_proj", "up_proj", "down_proj"))[0])}
+
+
+def lora_jobs(engine):
+    """Base rows and both adapters' rows, greedy and seeded, over the engine prompts."""
+    jobs = []
+    for i, prompt in enumerate(ENGINE_PROMPTS[1:]):
+        for lora in (None, "all", "mlp"):
+            seeded = {"temperature": 0.9, "seed": 11 + i} if i % 2 else {"temperature": 0}
+            jobs.append((prompt, engine.make_params({**seeded, "max_tokens": 8, "ignore_eos": True,
+                                                     **({"lora_name": lora} if lora else {})})))
+    return jobs
+
+
+def run_jobs(engine, jobs) -> list[list[int]]:
+    together = [r["output_ids"] for r in engine.generate([p for p, _ in jobs], [q for _, q in jobs])]
+    assert [engine.generate([p], [q])[0]["output_ids"] for p, q in jobs] == together
+    return together
+
+
+def test_lora_and_an_int8_head_at_tp2_give_tp1s_ids(a8w8_ckpt, tp_adapters):
+    """LoRA at TP = 2 (parallel/lora.py: B sharded with the column-parallel layers, the adapted rows' input gathered
+    for the row-parallel ones) with lm_head_quant int8: every row's ids are TP = 1's, alone and in a mixed batch.
+    max_loras 1: the adapters evict each other, so the workers get, drop and get again their shards."""
+    opts = dict(dtype="bfloat16", lora_modules=tp_adapters, max_loras=1, lm_head_quant="int8")
+    one = make_engine(a8w8_ckpt, **opts)
+    jobs = lora_jobs(one)
+    want = run_jobs(one, jobs)
+    for k in range(0, len(jobs), 3):   # the base and each adapter give different tokens
+        assert len({tuple(x) for x in want[k:k + 3]}) == 3
+    del one
+    two = make_engine(a8w8_ckpt, tensor_parallel_size=2, num_threads=1, **opts)
+    try:
+        assert run_jobs(two, lora_jobs(two)) == want
+        shipper = two.runner.model._shipper
+        assert shipper.next_slot > 2            # shipped again after an eviction
+        assert len(shipper.live) <= 2 + len(shipper.gone)
+    finally:
+        two.runner.tp.close()
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+LOOPING = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3], [9707, 11, 9707, 11, 9707, 11, 9707, 11]]
+
+
+def spec_and_structured_ids(engine) -> tuple:
+    greedy = engine.make_params({"temperature": 0, "max_tokens": 24, "ignore_eos": True})
+    seeded = engine.make_params({"temperature": 0.7, "seed": 3, "max_tokens": 24, "ignore_eos": True})
+    spec = [r["output_ids"] for r in engine.generate(LOOPING + LOOPING, [greedy, greedy, seeded, seeded])]
+    datas = [{"temperature": 1.0, "seed": 1, "max_tokens": 30, "structured_outputs": {"regex": r"[a-z]{3}-[0-9]{2,4}"}},
+             {"temperature": 0, "max_tokens": 30, "guided_choice": ["alpha", "beta", "gamma delta"]},
+             {"temperature": 0.8, "seed": 4, "max_tokens": 30, "structured_outputs": {
+                 "json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                 "disable_any_whitespace": True}}]
+    res = engine.generate([ENGINE_PROMPTS[0]] * 3, [engine.make_params(d) for d in datas])
+    assert res[1]["text"] in ("alpha", "beta", "gamma delta")
+    return spec, [r["output_ids"] for r in res]
+
+
+def test_speculative_decoding_and_structured_output_at_tp2_give_tp1s_ids(a8w8_ckpt):
+    """n-gram speculative decoding at TP = 2 (the verification rows go through the sharded forward): the ids equal
+    TP = 1's with speculation off; structured output (masks on rank 0's sampler) equals TP = 1's too."""
+    one = make_engine(a8w8_ckpt, dtype="bfloat16")
+    want = spec_and_structured_ids(one)
+    del one
+    two = make_engine(a8w8_ckpt, dtype="bfloat16", tensor_parallel_size=2, num_threads=1,
+                      speculative_config=json.dumps(SPEC))
+    try:
+        assert spec_and_structured_ids(two) == want
+        stats = two.spec.stats()
+        assert stats["spec_num_accepted_tokens"] > 0, stats
+    finally:
+        two.runner.tp.close()
+
+
 def test_a_dead_rank_fails_the_step_and_the_next_ones_naming_it(a8w8_ckpt):
     from helpers import make_engine
 
@@ -151,8 +235,8 @@ def test_tensor_parallel_size_is_validated_naming_it(a8w8_ckpt):
 
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(checkpoint=str(a8w8_ckpt), tensor_parallel_size=0).validate()
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 with enable_lora"):
-        EngineConfig(checkpoint=str(a8w8_ckpt), tensor_parallel_size=2, enable_lora=True).validate()
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 with cpu_share"):
+        EngineConfig(checkpoint=str(a8w8_ckpt), tensor_parallel_size=2, cpu_share="/tmp/flags#0#0-1").validate()
     with pytest.raises(ValueError, match="tensor_parallel_size: 'x' is not an integer"):
         EngineConfig.from_params({"checkpoint": str(a8w8_ckpt), "tensor_parallel_size": "x"})
 
@@ -293,3 +377,41 @@ def test_a_worker_started_from_its_config_pbtxt_joins_rank_0(tmp_path, a8w8_ckpt
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def test_each_rank_gets_whole_numa_nodes_or_an_even_run_of_cores():
+    from backend_lib.parallel.bind import rank_cores
+
+    nodes = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [rank_cores(r, 2, list(range(8)), nodes) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # 4 nodes, 2 ranks: two whole nodes each; an operator's cpu_cores restrict them
+    four = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [rank_cores(r, 2, list(range(8)), four) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [rank_cores(r, 2, [0, 1, 4, 5], nodes) for r in range(2)] == [[0, 1], [4, 5]]
+    # one node (this machine): an even contiguous split; fewer cores than ranks: they share
+    assert [rank_cores(r, 2, [0, 1], [[0, 1]]) for r in range(2)] == [[0], [1]]
+    assert [rank_cores(r, 3, list(range(7)), []) for r in range(3)] == [[0, 1], [2, 3], [4, 5, 6]]
+    assert [rank_cores(r, 3, [0, 1], []) for r in range(3)] == [[0], [1], [0]]
+
+
+def test_the_step_channel_packs_one_message_and_unpacks_it_bit_for_bit(tmp_path):
+    """A step's tensors (any dtype, 0 to 2 dimensions, empty ones) through the shared-memory broadcast between two
+    ends of one ShmExchange file (the rank-0 and worker sides in this process)."""
+    import torch
+
+    from backend_lib.parallel.channel import StepChannel, float_word, word_float
+    from backend_lib.parallel.group import TPGroup
+    from backend_lib.parallel.shm import ShmExchange
+
+    path = str(tmp_path / "x")
+    r0 = TPGroup(0, 2, None, ShmExchange(path, 0, 2, 1 << 16, True, 5.0))
+    r1 = TPGroup(1, 2, None, ShmExchange(path, 1, 2, 1 << 16, False, 5.0))
+    ts = [torch.arange(5), torch.tensor(7), torch.zeros((0,), dtype=torch.int32), torch.randn(3, 4).bfloat16(),
+          torch.arange(6, dtype=torch.int32).reshape(2, 3), torch.tensor([1.5, -0.0])]
+    for _ in range(3):    # both buffers, then the first again
+        StepChannel(r0, None).send(5, 3, float_word(0.125), ts)
+        op, a, b, got = StepChannel(r1, None).recv()
+        assert (op, a, word_float(b)) == (5, 3, 0.125)
+        assert all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(-1).view(torch.uint8),
+                   y.view(-1).view(torch.uint8)) for x, y in zip(ts, got))
+        assert len(got) == len(ts)

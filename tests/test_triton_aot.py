@@ -14,7 +14,8 @@ pytest.importorskip("triton", reason="the triton package is not installed (pip i
 from helpers import ROOT  # noqa: E402
 
 LAUNCHED = {"a8w8_kernel", "float_linear_kernel", "rms_norm_kernel", "qk_norm_rope_kernel", "silu_mul_kernel",
-            "write_kv_kernel", "attention_kernel", "combine_kernel", "rotate_kernel", "tq_write_kernel"}
+            "write_kv_kernel", "attention_kernel", "combine_kernel", "rotate_kernel", "tq_write_kernel",
+            "moe_gemm_kernel", "moe_combine_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +39,18 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80_without_spills_or_exce
     labels = {r["label"] for r in results}
     assert {"attention bf16 group=2", "attention tq group=4", "a8w8 M=1 even_k=True", "a8w8 M=65 even_k=True",
             "attention bf16 group=4 split programs", "attention tq group=4 split programs"} <= labels
+    assert {"moe a8w8 gate_up+swiglu BLOCK_M=16", "moe a8w8 down+weight BLOCK_M=16", "moe a8w8 gate_up+swiglu BLOCK_M=64",
+            "moe a8w8 down+weight BLOCK_M=64", "moe bf16 gate_up+swiglu BLOCK_M=16", "moe bf16 down+weight BLOCK_M=16",
+            "moe combine hidden=2048", "moe combine hidden=4096"} <= labels
 
 
 def test_the_int8_gemm_uses_int8_mma_and_wgmma_on_hopper(compiled):
     results = compiled[1]["results"]
     gemm = [r for r in results if r["kernel"] == "a8w8_kernel"]
     assert gemm and all(any(".s8.s8" in i for i in r["mma"]) for r in gemm)
+    moe = [r for r in results if r["kernel"] == "moe_gemm_kernel"]      # the fused MoE's grouped GEMMs
+    assert all(any(".s8.s8" in i for i in r["mma"]) for r in moe if "a8w8" in r["label"])
+    assert all(any("bf16" in i for i in r["mma"]) for r in moe if "bf16" in r["label"])
     assert any(i.startswith("wgmma") for r in gemm if r["arch"] == 90 for i in r["mma"])   # the prefill tiles
     assert not any(i.startswith("wgmma") for r in gemm if r["arch"] == 80 for i in r["mma"])
     assert all(any("bf16" in i for i in r["mma"]) for r in results if r["kernel"] == "float_linear_kernel")
@@ -58,3 +65,6 @@ def test_the_checks_catch_spills_shared_memory_and_a_gemm_without_mma():
     assert len(problems([{**ok, "spill_stores": 4}])) == 1
     assert len(problems([{**ok, "shared": 300_000}])) == 1
     assert len(problems([{**ok, "mma": ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"]}])) == 1
+    moe = {**ok, "kernel": "moe_gemm_kernel", "label": "moe a8w8 gate_up+swiglu BLOCK_M=16"}
+    assert problems([moe]) == [] and len(problems([{**moe, "mma": []}])) == 1
+    assert problems([{**moe, "label": "moe bf16 down+weight BLOCK_M=16", "mma": []}]) == []

@@ -69,6 +69,8 @@ class LLMEngine:
         if cfg.cpu_share and not (cfg.cpu_cores or cfg.num_threads):
             self.core_share = cpu_policy.CoreShare(cfg.cpu_share)
             cores = self.core_share.start()
+        elif cfg.tensor_parallel_size > 1 and self.device.type == "cpu" and (cores := tp_bind(cfg)) is not None:
+            pass    # rank 0 on its share of the host's cores (parallel/bind.py)
         else:
             cores, _ = cpu_policy.apply(cfg.cpu_cores, cfg.num_threads)
         self.model_config = mc = ModelConfig.from_dir(cfg.checkpoint)
@@ -92,10 +94,10 @@ class LLMEngine:
 
             self.lora = LoraRegistry(parse_lora_modules(cfg.lora_modules), BaseShape.of(mc), cfg.max_loras,
                                      cfg.max_lora_rank, kernels, self.device, cfg.allow_runtime_lora,
-                                     roots=cfg.lora_roots)
+                                     roots=cfg.lora_roots, prepare=cfg.tensor_parallel_size == 1)
         self.block_manager = BlockManager(self.runner.kv_cache.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.scheduling_policy)
+                                   cfg.scheduling_policy, cfg.max_scoring_tokens_per_step)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.end_ids = set(self.tokenizer.end_token_ids) | set(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
@@ -220,6 +222,8 @@ class LLMEngine:
                 raise
             return failed
         self.scheduler.update(plan, result)
+        for seq, start, rows in result.hidden:   # [spec] an EAGLE-3 head's inputs (the runner captures them)
+            self.spec.observe(seq, start, rows)
         for seq, chunk in result.prompt_logprobs:
             try:
                 self.output.record_prompt_logprobs(seq, chunk)
@@ -335,3 +339,10 @@ class LLMEngine:
         seq.lora = self.lora_adapter(SamplingParams(lora_name=lora_name))
         with self.scheduler.scratch_pages(seq, len(token_ids)):
             return self.runner.prompt_logprobs(seq, self.cfg.max_num_batched_tokens)
+
+
+def tp_bind(cfg):
+    """Tensor parallel rank 0: binds the engine thread and its team to rank 0's share of the host's cores."""
+    from ..parallel.bind import bind_rank, host_share
+
+    return bind_rank(host_share(0, cfg.tensor_parallel_size), cfg.cpu_cores, cfg.num_threads)

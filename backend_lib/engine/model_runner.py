@@ -55,13 +55,17 @@ class ModelRunner:
             from ..lora.layer import LoraContext, attach
 
             self.lora_ctx = LoraContext()
-            attach(self.model, self.lora_ctx, kernels)
+            if self.tp is not None:   # each rank's shard of the adapters (parallel/lora.py)
+                self.model.attach_lora(self.lora_ctx, kernels)
+            else:
+                attach(self.model, self.lora_ctx, kernels)
         # decode replayed from CUDA graphs: the Triton set only (its KV writes skip the padding rows)
         self.graphs = None
         if cfg.cuda_graphs and device.type == "cuda" and kernels.name == "triton":
             self.graphs = DecodeGraphs(self, cfg.max_num_seqs, -(-max_model_len // cfg.page_size))
         self.fault_every = fault_every
         self.steps = 0
+        self.aux_layers: tuple[int, ...] | None = None   # [spec] EAGLE-3: the layers its head reads (spec/eagle3.py)
 
     def prepare(self, plan: list[tuple[Sequence, int]]):
         if self.is_decode(plan):
@@ -137,14 +141,19 @@ class ModelRunner:
             raise InjectedFault(f"injected fault at step {self.steps} (fault_injection every:{self.fault_every})")
         steps = plan.seqs
         result = StepResult()
+        # [spec] rows of sequences an EAGLE-3 head drafts for: their aux hidden states too (the Python loop)
+        aux = self.aux_layers is not None and any(self.wants_aux(seq) for seq, _ in steps)
         # a step with LoRA rows runs eagerly (the graphs hold the base model's forward only)
-        if self.graphs is not None and self.is_decode(steps) and not any(seq.lora for seq, _ in steps) and \
-                self.graphs.fits(len(steps), max(len(seq.block_table) for seq, _ in steps)):
+        if self.graphs is not None and not aux and self.is_decode(steps) and not any(seq.lora for seq, _ in steps) \
+                and self.graphs.fits(len(steps), max(len(seq.block_table) for seq, _ in steps)):
             seqs = [seq for seq, _ in steps]
             logits = self.graphs.run(*self.decode_inputs(steps))
         else:
             input_ids, positions, meta, rows, seqs = self.prepare(steps)
-            hidden = self.forward(steps, input_ids, positions, meta)
+            hidden = self.forward(steps, input_ids, positions, meta, aux)
+            if aux:
+                hidden, states = hidden
+                result.hidden = self._aux_rows(steps, states)
             result.prompt_logprobs = self._prompt_logprobs(steps, hidden)
             if not seqs:
                 return result
@@ -159,14 +168,32 @@ class ModelRunner:
         """A step's rows sampled where they are (the one sampling path of decode rows and verification rows)."""
         return self.sampler(logits, seqs)
 
-    def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta) -> torch.Tensor:
-        """The model over a prepared step; with LoRA on, each row with its sequence's adapter."""
-        if self.lora_ctx is None:
+    def forward(self, plan: list[tuple[Sequence, int]], input_ids, positions, meta, aux: bool = False):
+        """The model over a prepared step; with LoRA on, each row with its sequence's adapter. aux: ([spec]
+        EAGLE-3) (hidden, the aux layers' states [T, 3 * hidden]), the same hidden bits."""
+        def run():
+            if aux:
+                return self.model.forward_aux(input_ids, positions, self.kv_cache, meta, self.aux_layers)
             return self.model(input_ids, positions, self.kv_cache, meta)
+        if self.lora_ctx is None:
+            return run()
         from ..lora.layer import LoraBatch
 
         with self.lora_ctx.use(LoraBatch.of([seq.lora for seq, n in plan for _ in range(n)], self.device)):
-            return self.model(input_ids, positions, self.kv_cache, meta)
+            return run()
+
+    @staticmethod
+    def wants_aux(seq: Sequence) -> bool:
+        """[spec] Whether an EAGLE-3 head drafts for seq (every row of it feeds the head's cache)."""
+        return seq.params.speculative != "off" and seq.failure is None
+
+    def _aux_rows(self, plan: list[tuple[Sequence, int]], states: torch.Tensor):
+        out, off = [], 0
+        for seq, n in plan:
+            if self.wants_aux(seq):
+                out.append((seq, seq.num_computed, states[off:off + n]))
+            off += n
+        return out
 
     def _prompt_logprobs(self, plan: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[tuple[Sequence, PromptLogprobs]]:
         """prompt_logprobs from this step's forward (no second pass): the logits of every row of a

@@ -2,7 +2,10 @@
 
 Each step first gives every running decode its one token, then continues chunked prefills, then
 admits waiting requests, all within a token budget, so a long prompt never stalls the decoding of
-others. With prefix caching, an admitted request first takes the cached pages that hold the longest
+others. A request for prompt_logprobs (scoring) computes at most max_scoring_tokens_per_step of its prompt rows
+a step (shared by every scoring sequence, as each of its rows costs the full vocabulary's logits), and a waiting
+scoring request that finds that share spent lets the requests behind it be admitted: however big a scoring
+request, the others keep the rest of every step. With prefix caching, an admitted request first takes the cached pages that hold the longest
 run of its full pages (at least its last token is computed, for its logits), and every page that
 becomes full is recorded in the cache; a request whose next full page a running prefill is computing
 waits for it (one prefill for n choices or concurrent requests of one prompt). A prompt's partial last
@@ -35,12 +38,14 @@ PRIORITY_SPAN = 1000    # priorities beyond +-PRIORITY_SPAN age as +-PRIORITY_SP
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", max_scoring_tokens: int | None = None):
         self.bm = block_manager
         self.priority = policy == "priority"
         self._arrivals = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # prompt rows scored per step over all sequences (EngineConfig.max_scoring_tokens_per_step)
+        self.max_scoring_tokens = min(max_scoring_tokens or max_num_batched_tokens, max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -106,21 +111,35 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         budget = self.max_num_batched_tokens
+        scoring = self.max_scoring_tokens   # what is left of this step's share of scored prompt rows
         plan: dict[Sequence, int] = {}
         preempted = False
+
+        def give_back(victim: Sequence) -> None:
+            nonlocal budget, scoring
+            if victim in plan:
+                n = plan.pop(victim)
+                budget += n
+                if victim.scoring:
+                    scoring += n
+
+        def grant(seq: Sequence, n: int) -> int:
+            return min(n, scoring) if seq.scoring else n
+
         decodes = [s for s in self.running if s.num_pending == 1]
         prefills = [s for s in self.running if s.num_pending > 1]
         for i, seq in enumerate(decodes + prefills):
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
                 continue
-            n = min(seq.num_pending, budget)
+            n = grant(seq, min(seq.num_pending, budget))
+            if n <= 0:   # a scoring prefill whose share of this step is spent: it goes on next step
+                continue
             if seq.spec_tokens:   # [spec] a decode's drafts ride along where budget and pages spare them
                 later = max(0, len(decodes) - 1 - i)
                 n += SpecDecoder.grant(seq, n, budget - n - later, self.bm, later)
             while not self.bm.can_grow(seq.block_table, seq.num_computed + n):
                 victim = self._victim()
-                if victim in plan:
-                    budget += plan.pop(victim)
+                give_back(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -130,8 +149,11 @@ class Scheduler:
             self.bm.grow(seq.block_table, seq.num_computed + n)
             plan[seq] = n
             budget -= n
+            if seq.scoring:
+                scoring -= n
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = next((s for s in self.waiting if not self._follows_a_prefill(s)), None)
+            seq = next((s for s in self.waiting if not self._follows_a_prefill(s) and not (s.scoring and scoring <= 0)),
+                       None)
             if seq is None:
                 break
             cached = self._cached_prefix(seq)
@@ -139,17 +161,16 @@ class Scheduler:
             tail = self._cached_tail(seq, cached)
             if tail is not None:    # the partial last page too, by copy: only the last token to compute
                 start = seq.num_tokens - 1
-            n = min(seq.num_tokens - start, budget)
+            n = grant(seq, min(seq.num_tokens - start, budget))
             need = lambda: self.bm.extra_pages(cached, start + n) + self.bm.cost_of(  # noqa: E731
                 cached + ([tail] if tail is not None else []))
             while self.priority and need() > self.bm.num_free and self.running and \
                     self._rank(self._victim()) > self._rank(seq):   # a lower-priority request gives way
                 victim = self._victim()
-                if victim in plan:
-                    budget += plan.pop(victim)
+                give_back(victim)
                 self._preempt(victim)
                 preempted = True
-                n = min(seq.num_tokens - start, budget)
+                n = grant(seq, min(seq.num_tokens - start, budget))
             if need() > self.bm.num_free:
                 break
             self.waiting.remove(seq)
@@ -170,6 +191,8 @@ class Scheduler:
                 self.page_copies.append((tail, seq.block_table[held]))
             plan[seq] = n
             budget -= n
+            if seq.scoring:
+                scoring -= n
         return list(plan.items())
 
     def _cached_tail(self, seq: Sequence, cached: list[int]) -> int | None:

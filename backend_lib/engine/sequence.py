@@ -56,6 +56,12 @@ class Sequence:
         return len(self.tokens)
 
     @property
+    def scoring(self) -> bool:
+        """Whether prompt rows of it are still to be scored (prompt_logprobs asked for, not all recorded): each
+        such row it computes costs the full vocabulary's logits (the scheduler bounds them per step)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    @property
     def num_pending(self) -> int:
         """Tokens still to be computed before the next sample."""
         return len(self.tokens) - self.num_computed

@@ -41,3 +41,6 @@ class StepResult:
     chunks' prompt_logprobs."""
     samples: list[tuple[Sequence, Sample | SampleError]] = field(default_factory=list)
     prompt_logprobs: list[tuple[Sequence, PromptLogprobs]] = field(default_factory=list)
+    # [spec] EAGLE-3: the target's aux hidden states of the rows of sequences whose head reads them
+    # (sequence, first position, [n, 3 * hidden])
+    hidden: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)

@@ -51,10 +51,19 @@ class Kernels:
     # (write_kv and paged_attention read it); the blocked layout above unless a set needs another
     kv_shapes: Callable = blocked_kv_shapes
     # (x [T, K], topk_ids int64 [T, k], topk_weights [T, k] in x.dtype, experts: per expert index its
-    #  (gate_up, down) linear modules of this set) -> [T, K] in x.dtype: the routed experts' SwiGLU MLPs, each
-    # pair's output times its weight (in x.dtype) added into its token's row in ascending expert index, in
+    #  (gate_up, down) linear modules of this set, or what its moe_weights made of them) -> [T, K] in x.dtype:
+    # the routed experts' SwiGLU MLPs, each pair's output times its weight (in x.dtype) added into its token's row in ascending expert index, in
     # x.dtype; None: grouped per expert over this set's own linear slots (kernels/moe.py)
     moe: Callable | None = None
+    # (per expert index its (gate_up, down) modules, None where another rank holds it) -> what `moe` takes as
+    # `experts` (a set's packed form, made once at load; its modules may be left viewing it); None: the pairs
+    moe_weights: Callable | None = None
+    # (router logits [T, E] in the model dtype, top_k, norm_topk_prob) -> (ids int64 [T, k], weights [T, k] in
+    # the logits' dtype) with transformers' semantics (layers/moe.py's route, the default when None)
+    moe_route: Callable | None = None
+
+    def pack_experts(self, pairs):
+        return self.moe_weights(pairs) if self.moe_weights is not None else pairs
 
     def moe_experts(self, x, topk_ids, topk_weights, experts):
         if self.moe is not None:

@@ -23,18 +23,30 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return ids, weights.to(logits.dtype)
 
 
+class ExpertPairs(list):
+    """Per expert index its (gate_up, down) modules, or None (held by another expert-parallel rank): the `moe`
+    slot's argument, with room for what a kernel set prepares once from it (`kernel_cache`)."""
+
+    def __init__(self, pairs):
+        super().__init__(pairs)
+        self.kernel_cache: dict = {}
+
+
 class Qwen3SparseMoe(nn.Module):
     def __init__(self, router: nn.Module, experts: list[tuple[nn.Module, nn.Module]], top_k: int,
                  norm_topk_prob: bool, kernels: Kernels):
         super().__init__()
         self.gate = router
         self.experts = nn.ModuleList(nn.ModuleList(pair or ()) for pair in experts)
-        self.expert_pairs = [None if pair is None else tuple(pair) for pair in experts]   # the slot's argument
+        # the slot's argument: the pairs (ExpertPairs, with room for what a set prepares lazily), or the set's
+        # packed form of them (its moe_weights, made once here)
+        self.expert_pairs = ExpertPairs(None if pair is None else tuple(pair) for pair in experts)
+        self.moe_weights = kernels.pack_experts(self.expert_pairs)
         self.top_k, self.norm_topk_prob, self.kernels = top_k, norm_topk_prob, kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(self.gate.forward(x), self.top_k, self.norm_topk_prob)
-        return self.kernels.moe_experts(x, ids, weights, self.expert_pairs)
+        ids, weights = (self.kernels.moe_route or route)(self.gate.forward(x), self.top_k, self.norm_topk_prob)
+        return self.kernels.moe_experts(x, ids, weights, self.moe_weights)
 
 
 def load_sparse_moe(store: WeightStore, prefix: str, hidden: int, moe, scheme: QuantScheme | None,

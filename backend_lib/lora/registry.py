@@ -131,8 +131,11 @@ def runtime_path(value, roots: tuple[str, ...]) -> tuple[str, str]:
 
 class LoraRegistry:
     def __init__(self, modules: dict[str, str], base: BaseShape, max_loras: int, max_rank: int, kernels, device,
-                 allow_runtime: bool = False, base_dir: str | None = None, roots=None):
+                 allow_runtime: bool = False, base_dir: str | None = None, roots=None, prepare: bool = True):
+        """prepare False: adapters keep their fp32 A and B as read (tensor parallel: parallel/lora.py shards and
+        prepares them per rank) instead of the kernel set's form."""
         self.base, self.max_loras, self.max_rank = base, max_loras, max_rank
+        self.prepare = prepare
         self.kernels, self.device = kernels, device
         self.allow_runtime, self.base_dir = allow_runtime, base_dir
         self.roots = parse_lora_roots(roots, base_dir)
@@ -163,7 +166,9 @@ class LoraRegistry:
         if adapter is not None:
             self._resident.move_to_end(name)
             return adapter
-        adapter = load_adapter(name, self._known[name], self.base, self.max_rank).prepare(self.kernels, self.device)
+        adapter = load_adapter(name, self._known[name], self.base, self.max_rank)
+        if self.prepare:
+            adapter.prepare(self.kernels, self.device)
         self.loads += 1
         self._resident[name] = adapter
         while len(self._resident) > self.max_loras:

@@ -81,6 +81,23 @@ class Qwen3ForCausalLM(nn.Module):
         h, _ = self.kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return h
 
+    def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta,
+                    aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[spec] forward() through the Python loop (the layer loop's bits, tests/test_layer_loop.py), also
+        returning the residual stream entering each layer of aux_layers (EAGLE-3's auxiliary hidden states:
+        0 is the embeddings, len(layers) the last layer's output before the final norm), [T, len * hidden]."""
+        x = self.embed(input_ids)
+        residual = None
+        caps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                caps[i] = x.clone() if residual is None else x + residual
+            x, residual = layer.forward(x, residual, positions, self.cos_sin, kv_cache, meta)
+        if len(self.layers) in aux_layers:
+            caps[len(self.layers)] = x + residual
+        h, _ = self.kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return h, torch.cat([caps[i] for i in aux_layers], dim=-1)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, vocab] of the given hidden rows."""
         return self.lm_head(hidden, torch.float32)

@@ -45,7 +45,9 @@ def greedy(model, cache, prompts: list[list[int]], max_tokens: int, page_size: i
                                  torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
         with torch.inference_mode():
             hidden = model(torch.tensor(ids), torch.tensor(pos), cache, meta)
-            logits = model.logits(hidden[last]).float()
+            # a sharded model's vocab-parallel head: every rank gets the logits (each picks the same next ids)
+            logits = (model.logits(hidden[last], everywhere=True) if getattr(model, "group", None) is not None
+                      else model.logits(hidden[last])).float()
         for b, seq in enumerate(tokens):
             digests[b].update(logits[b].numpy().tobytes())
             computed[b] = len(seq)
@@ -69,9 +71,13 @@ def _rank(args) -> dict | None:
         from ..checkpoint import ModelConfig
         from .group import shm_slot_bytes
 
+        from .vocab import vocab_share
+
         tokens = max(map(len, args.prompts)) * len(args.prompts)
+        mc = ModelConfig.from_dir(args.checkpoint)
         group.enable_shm(f"qwen3-tp-{os.environ['MASTER_PORT']}",
-                         shm_slot_bytes(tokens, ModelConfig.from_dir(args.checkpoint).hidden_size))
+                         shm_slot_bytes(tokens, mc.hidden_size, logits_rows=len(args.prompts),
+                                        vocab_share=vocab_share(mc.vocab_size, group.size)))
     kernels = get_kernels(device, args.kernels)
     max_len = max(map(len, args.prompts)) + args.max_tokens
     page = 16

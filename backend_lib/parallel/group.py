@@ -23,10 +23,11 @@ def backend_for(device: torch.device | str) -> str:
     return BACKENDS[kind]
 
 
-def shm_slot_bytes(tokens: int, hidden: int, cap: int = 16 << 20) -> int:
-    """A slot holding one step's row-parallel partial sums ([tokens, hidden] int32 / fp32), at most cap bytes (a
-    larger message goes through the backend)."""
-    return min(cap, tokens * hidden * 4)
+def shm_slot_bytes(tokens: int, hidden: int, cap: int = 16 << 20, logits_rows: int = 0, vocab_share: int = 0) -> int:
+    """A slot holding one step's row-parallel partial sums ([tokens, hidden] int32 / fp32) and a rank's fp32 logits
+    of logits_rows rows (its vocab_share columns), at most cap bytes (a larger message goes through the backend;
+    logits rows are gathered in chunks that fit)."""
+    return min(cap, max(tokens * hidden * 4, logits_rows * vocab_share * 4))
 
 
 @dataclass
@@ -104,6 +105,18 @@ class TPGroup:
             return [p.clone() for p in self.shm.exchange(t)]
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
+        return parts
+
+    def gather_to_0(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's tensor of the same shape, in rank order, on rank 0; None on the others."""
+        if self.size == 1:
+            return [t]
+        t = t.contiguous()
+        if self.shm is not None and self.shm.fits(t):
+            parts = self.shm.exchange(t)
+            return [p.clone() for p in parts] if self.rank == 0 else None
+        parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(t, parts, dst=0, group=self.group)
         return parts
 
     def sum_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:

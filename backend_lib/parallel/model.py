@@ -1,7 +1,7 @@
 """A Qwen3 decoder sharded across a tensor-parallel group: each rank loads only its rows / columns of every
 projection (shard.py), its query heads and KV heads (so its KV cache holds only those heads: the pool grows with
-the ranks), and replicates the norms, the embedding and the head (vocab-parallel embedding and head are the next
-step). The layers are the ordinary ones (layers/attention.py, layers/mlp.py) over parallel linears (linear.py);
+the ranks), its vocabulary rows of the embedding and the head (vocab.py: the logits gathered to rank 0), and
+replicates the norms. The layers are the ordinary ones (layers/attention.py, layers/mlp.py) over parallel linears (linear.py);
 the one-region decode loop is dense TP = 1 only, so a sharded model runs the per-layer path."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from ..checkpoint import CheckpointError, ModelConfig, QuantScheme, WeightStore
 from ..kernels import Kernels
 from ..layers.attention import Qwen3Attention
-from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear
+from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear, quantize_linear
 from ..layers.mlp import Qwen3MLP
 from ..layers.moe import load_sparse_moe
 from ..models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
@@ -21,6 +21,7 @@ from .group import TPGroup
 from .linear import RowParallelA8W8, RowParallelFloat
 from .moe import ExpertParallelMoe
 from .shard import HeadShard, head_rows, shard_heads, split
+from .vocab import VocabParallelQwen3, vocab_rows
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,10 @@ def local_config(cfg: ModelConfig, group: TPGroup) -> ModelConfig:
 
 def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
                  device: torch.device, kernels: Kernels, max_positions: int, group: TPGroup,
-                 with_head: bool = True) -> Qwen3ForCausalLM:
-    """with_head False: a worker rank's model (rank 0 alone computes the logits): the embedding, no head."""
+                 lm_head_quant: str = "checkpoint") -> Qwen3ForCausalLM:
+    """Every rank holds its shard of every layer and its vocabulary rows of the embedding and the head (the
+    logits are gathered to rank 0). lm_head_quant as Qwen3ForCausalLM.from_checkpoint's (int8: per channel at
+    load, the A8W8 kernel; per-row scales, so each rank's rows quantize as TP = 1's)."""
     hid, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hs: HeadShard = shard_heads(cfg.num_heads, cfg.num_kv_heads, group.rank, group.size)
     rd = _Reader(store, scheme, dtype, device, kernels, group)
@@ -86,17 +89,29 @@ def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | Non
     def dense(name, shape):
         return store.get(name, shape, FLOAT_DTYPES).to(device=device, dtype=dtype, copy=True).contiguous()
 
+    def head(w):
+        return quantize_linear(w, kernels) if lm_head_quant == "int8" else FloatLinear(w, kernels)
+
     if scheme is not None and scheme.is_quantized("lm_head"):
         raise ValueError("quantization_config: a quantized lm_head is not supported; add it to 'ignore'")
-    if not with_head:
-        lm_head, embed = None, dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
-    elif store.has("lm_head.weight"):
-        lm_head = FloatLinear(dense("lm_head.weight", (cfg.vocab_size, hid)), kernels)
-        embed = dense("model.embed_tokens.weight", (cfg.vocab_size, hid))
+    # vocab parallel (parallel/vocab.py): this rank's rows of the head and of the embedding
+    vr = vocab_rows(cfg.vocab_size, group.rank, group.size)
+
+    def rows(name):
+        return store.get(name, (cfg.vocab_size, hid), FLOAT_DTYPES)[vr].to(device=device, dtype=dtype,
+                                                                           copy=True).contiguous()
+
+    if store.has("lm_head.weight"):
+        lm_head = head(rows("lm_head.weight"))
+        store.release()
+        embed = rows("model.embed_tokens.weight")
     elif cfg.tie_word_embeddings:
-        lm_head, embed = FloatLinear(dense("model.embed_tokens.weight", (cfg.vocab_size, hid)), kernels), None
+        lm_head = head(rows("model.embed_tokens.weight"))
+        # a float head holds the embedding; an int8 one does not (the embedding keeps the checkpoint's rows)
+        embed = None if isinstance(lm_head, FloatLinear) else rows("model.embed_tokens.weight")
     else:
         raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
+    store.release()
     q_rows, kv_rows = head_rows(hs.heads, d), head_rows(hs.kv_heads, d)
     h, kvh = cfg.num_heads, cfg.num_kv_heads
     layers = []
@@ -121,8 +136,10 @@ def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | Non
                                         cfg.rms_norm_eps, kernels))
         store.release()
     norm = dense("model.norm.weight", (hid,))
-    model = Qwen3ForCausalLM(local_config(cfg, group), embed, layers, norm, lm_head, max_positions, kernels)
+    model = VocabParallelQwen3(local_config(cfg, group), embed, layers, norm, lm_head, max_positions, kernels,
+                               group=group, vocab=cfg.vocab_size)
     model.use_layer_loop = False      # the C++ region has no collectives
+    model.cfg_full = cfg              # the whole architecture (LoRA's shards are cut from it)
     log.info("rank %d/%d: heads %s, KV heads %s%s", group.rank, group.size, hs.heads, hs.kv_heads,
              ", experts e % {0} == {1}".format(group.size, group.rank) if cfg.moe is not None else "")
     return model

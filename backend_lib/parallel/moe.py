@@ -20,7 +20,7 @@ class ExpertParallelMoe(Qwen3SparseMoe):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(self.gate.forward(x), self.top_k, self.norm_topk_prob)
+        ids, weights = (self.kernels.moe_route or route)(self.gate.forward(x), self.top_k, self.norm_topk_prob)
         t, h = x.shape
         k = ids.shape[1]
         order, counts, perm = group_by_expert(ids, len(self.expert_pairs))

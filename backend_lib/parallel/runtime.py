@@ -30,11 +30,13 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+from .bind import worker_env
+from .channel import StepChannel, word_float
 from .group import TPGroup, backend_for, shm_slot_bytes
 
 log = logging.getLogger(__name__)
 
-FORWARD, COPY_PAGE, STOP = 1, 2, 3
+FORWARD, COPY_PAGE, STOP, LORA_META, LORA_DELTA, LORA_DROP, LOGITS = 1, 2, 3, 4, 5, 6, 7
 MODEL_TIMEOUT_S = float(os.environ.get("QWEN3_TP_TIMEOUT_S", "120"))   # a hung rank fails the step after this
 IDLE_TIMEOUT = datetime.timedelta(days=365)                           # the control group waits for the next step
 
@@ -44,66 +46,50 @@ class RankFailure(RuntimeError):
     fatal = True
 
 
-class StepChannel:
-    """Rank 0 -> every worker over the control group: an op header (int64), then the op's tensors, in order."""
-
-    def __init__(self, group: TPGroup, control):
-        self.group, self.control = group, control
-
-    def _bcast(self, t: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(t, src=0, group=self.control)
-        return t
-
-
-# The step's tensors have fixed dtypes, so only shapes travel: ids, positions, slots (int64), block tables,
-# query_start_loc, seq_lens (int32).
-STEP_DTYPES = (torch.int64, torch.int64, torch.int64, torch.int32, torch.int32, torch.int32)
-
-
-def send_step(ch: StepChannel, input_ids, positions, meta) -> None:
-    ts = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens)
-    ch._bcast(torch.tensor([FORWARD, *[d for t in ts for d in _shape4(t)]], dtype=torch.int64))
-    for t, dtype in zip(ts, STEP_DTYPES):
-        ch._bcast(t.to(dtype).contiguous().cpu())
-
-
-def _shape4(t: torch.Tensor) -> list[int]:
-    s = list(t.shape)
-    return [len(s), *s, *[0] * (2 - len(s))]
-
-
-HEADER = 1 + 6 * 3
-
-
-def recv_op(ch: StepChannel):
-    header = ch._bcast(torch.zeros(HEADER, dtype=torch.int64)).tolist()
-    op = header[0]
-    if op != FORWARD:
-        return op, header[1:3]
-    ts = []
-    for i, dtype in enumerate(STEP_DTYPES):
-        n, *dims = header[1 + 3 * i:4 + 3 * i]
-        ts.append(ch._bcast(torch.empty(dims[:n], dtype=dtype)))
-    return op, ts
-
-
-def send_simple(ch: StepChannel, op: int, a: int = 0, b: int = 0) -> None:
-    ch._bcast(torch.tensor([op, a, b] + [0] * (HEADER - 3), dtype=torch.int64))
+# A step's message: ids, positions, slots (int64), block tables, query_start_loc, seq_lens (int32), and with LoRA
+# rows the step's LoRA tensor (parallel/lora.py): one message (parallel/channel.py).
+def send_step(ch: StepChannel, input_ids, positions, meta, lora: torch.Tensor | None = None) -> None:
+    ts = [input_ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens]
+    ch.send(FORWARD, tensors=ts + ([lora] if lora is not None else []))
 
 
 class ShardedModel:
-    """Rank 0's model: every forward is first broadcast to the workers, then run here; the rest (logits, the
-    head, attributes) is rank 0's own."""
+    """Rank 0's model: every forward is first sent to the workers, then run here; the rest (logits, the head,
+    attributes) is rank 0's own. With LoRA on, the step's adapters are sent first (parallel/lora.py)."""
 
     def __init__(self, model, channel: StepChannel, supervisor: "Supervisor"):
         self._model, self._ch, self._sup = model, channel, supervisor
+        self._lora_ctx = self._shipper = None
+
+    def attach_lora(self, ctx, kernels) -> None:
+        from .lora import LoraSharder, LoraShipper, attach
+
+        g = self._ch.group
+        attach(self._model, ctx, kernels, g)
+        self._lora_ctx = ctx
+        self._shipper = LoraShipper(LoraSharder(self._model.cfg_full, g, kernels, self._model.norm.device))
 
     def __call__(self, input_ids, positions, kv_cache, meta):
         self._sup.check()
         try:
-            send_step(self._ch, input_ids, positions, meta)
-            return self._model(input_ids, positions, kv_cache, meta)
+            if self._lora_ctx is None:
+                send_step(self._ch, input_ids, positions, meta)
+                return self._model(input_ids, positions, kv_cache, meta)
+            send = lambda op, a=0, b=0, ts=(): self._ch.send(op, a, b, ts)  # noqa: E731
+            batch, lora = self._shipper.messages(self._lora_ctx.batch, send)
+            send_step(self._ch, input_ids, positions, meta, lora)
+            with self._lora_ctx.use(batch):
+                return self._model(input_ids, positions, kv_cache, meta)
         except RuntimeError as exc:     # a collective failed: a rank is gone or hung
+            raise self._sup.failure(exc) from exc
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows' fp32 logits, gathered here from every rank's vocabulary rows (parallel/vocab.py)."""
+        self._sup.check()
+        try:
+            self._ch.send(LOGITS, tensors=(hidden,))
+            return self._model.logits(hidden)
+        except RuntimeError as exc:
             raise self._sup.failure(exc) from exc
 
     def __getattr__(self, name):
@@ -118,7 +104,7 @@ class ShardedKVCache:
 
     def copy_page(self, src: int, dst: int) -> None:
         self._sup.check()
-        send_simple(self._ch, COPY_PAGE, src, dst)
+        self._ch.send(COPY_PAGE, src, dst)
         self._cache.copy_page(src, dst)
 
     def __getattr__(self, name):
@@ -150,7 +136,7 @@ class Supervisor:
     def close(self, timeout_s: float = 5.0) -> None:
         if self.channel is not None and self.dead is None:
             try:
-                send_simple(self.channel, STOP)
+                self.channel.send(STOP)
             except Exception:   # already broken: the kill below ends them
                 pass
         deadline = time.monotonic() + timeout_s
@@ -162,6 +148,9 @@ class Supervisor:
                 p.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+        from .bind import unbind
+
+        unbind()
 
 
 def _python() -> str:
@@ -176,6 +165,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def slot_bytes(cfg, mc, size: int) -> int:
+    """The shared-memory slot: a step's partial sums, or a decode step's logits rows of one rank."""
+    from .vocab import vocab_share
+
+    return shm_slot_bytes(cfg.max_num_batched_tokens, mc.hidden_size, logits_rows=cfg.max_num_seqs,
+                          vocab_share=vocab_share(mc.vocab_size, size))
 
 
 def _groups(group: TPGroup):
@@ -200,7 +197,8 @@ def start(cfg, model_config, scheme, device, dtype, kernels, max_model_len: int)
         payload = json.dumps({k: v for k, v in asdict(cfg).items() if k != "limits"})
         for r in range(1, size):
             env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(size),
-                       QWEN3_TP_PARENT=str(os.getpid()))
+                       LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(size), QWEN3_TP_PARENT=str(os.getpid()),
+                       **worker_env())
             procs.append(subprocess.Popen([_python(), "-m", "backend_lib.parallel.runtime", "--engine-config", payload],
                                           env=env))
     sup = Supervisor(procs)
@@ -208,11 +206,10 @@ def start(cfg, model_config, scheme, device, dtype, kernels, max_model_len: int)
         group = TPGroup.init(0, size, addr, port, device, timeout_s=MODEL_TIMEOUT_S)
         control = _groups(group)
         if procs and device.type == "cpu":   # the ranks share this host: collectives through shared memory
-            group.enable_shm(f"qwen3-tp-{port}", shm_slot_bytes(cfg.max_num_batched_tokens, model_config.hidden_size),
-                             MODEL_TIMEOUT_S)
+            group.enable_shm(f"qwen3-tp-{port}", slot_bytes(cfg, model_config, size), MODEL_TIMEOUT_S)
         dist.broadcast(torch.tensor([max_model_len, *_agreed(cfg)], dtype=torch.int64), src=0)
         model = load_sharded(WeightStore(cfg.checkpoint), model_config, scheme, dtype, device, kernels,
-                             max_model_len, group)
+                             max_model_len, group, lm_head_quant=cfg.lm_head_quant)
         cache = allocate_kv_cache(cfg.kv_cache, model.cfg, dtype, device, kernels, cfg.kv_cache_memory,
                                   cfg.page_size, max_model_len, cfg.max_num_seqs, seed=cfg.tq_seed)
         dist.broadcast(torch.tensor([cache.num_pages], dtype=torch.int64), src=0)   # model group: its timeout
@@ -221,6 +218,8 @@ def start(cfg, model_config, scheme, device, dtype, kernels, max_model_len: int)
         raise
     ch = StepChannel(group, control)
     sup.channel = ch
+    if group.shm is not None:   # a rank that is gone fails rank 0's wait at once, not after the timeout
+        group.shm.alive = sup.check
     return ShardedModel(model, ch, sup), ShardedKVCache(cache, ch, sup), sup
 
 
@@ -238,7 +237,7 @@ def _watch_parent(parent: int) -> None:
 
 # What every rank's configuration must agree on (a worker started from its own config.pbtxt is checked against
 # rank 0's at the rendezvous), as integers.
-AGREED = ("page_size", "max_num_seqs", "kv_cache", "dtype", "tq_seed")
+AGREED = ("page_size", "max_num_seqs", "kv_cache", "dtype", "tq_seed", "lora_enabled", "lm_head_quant")
 
 
 def _agreed(cfg) -> list[int]:
@@ -278,8 +277,12 @@ def worker_main(cfg) -> None:
     if os.environ.get("QWEN3_TP_PARENT"):
         threading.Thread(target=_watch_parent, args=(int(os.environ["QWEN3_TP_PARENT"]),), daemon=True).start()
     device = resolve_device(cfg.device)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    from .bind import bind_rank, host_share
+
+    if device.type != "cpu" or bind_rank(host_share(int(os.environ.get("RANK", "0")), cfg.tensor_parallel_size),
+                                         cfg.cpu_cores, cfg.num_threads) is None:
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
     dtype = parse_dtype(cfg.dtype, device)
     group = TPGroup.from_env(device, timeout_s=MODEL_TIMEOUT_S)
     if group.size != cfg.tensor_parallel_size:
@@ -289,7 +292,7 @@ def worker_main(cfg) -> None:
     mc = ModelConfig.from_dir(cfg.checkpoint)
     if os.environ.get("QWEN3_TP_PARENT") and device.type == "cpu":   # started by rank 0 on its host
         group.enable_shm(f"qwen3-tp-{os.environ['MASTER_PORT']}",
-                         shm_slot_bytes(cfg.max_num_batched_tokens, mc.hidden_size), MODEL_TIMEOUT_S)
+                         slot_bytes(cfg, mc, group.size), MODEL_TIMEOUT_S)
     head = torch.zeros(1 + len(AGREED), dtype=torch.int64)
     dist.broadcast(head, src=0)
     max_model_len, *theirs = head.tolist()
@@ -299,7 +302,7 @@ def worker_main(cfg) -> None:
                              f"(this rank's configuration and rank 0's must agree)")
     kernels = get_kernels(device, cfg.kernels, cfg.kernel_cache_dir)
     model = load_sharded(WeightStore(cfg.checkpoint), mc, parse_quantization_config(mc.quantization_config), dtype,
-                         device, kernels, max_model_len, group, with_head=False)
+                         device, kernels, max_model_len, group, lm_head_quant=cfg.lm_head_quant)
     pages = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(pages, src=0)
     per_page = cache_class(cfg.kv_cache).bytes_per_token(model.cfg.num_layers, model.cfg.num_kv_heads,
@@ -309,20 +312,43 @@ def worker_main(cfg) -> None:
                               seed=cfg.tq_seed)
     if cache.num_pages != pages.item():
         raise RuntimeError(f"tensor parallel rank {group.rank}: {cache.num_pages} KV pages, rank 0 has {pages.item()}")
-    worker_loop(model, cache, StepChannel(group, control))
+    lora = None
+    if cfg.lora_enabled:   # the adapters' shards arrive from rank 0 (parallel/lora.py)
+        from ..lora.layer import LoraContext
+        from .lora import LoraReceiver, LoraSharder, attach
+
+        ctx = LoraContext()
+        attach(model, ctx, kernels, group)
+        lora = (LoraReceiver(LoraSharder(mc, group, kernels, device)), ctx)
+    worker_loop(model, cache, StepChannel(group, control), lora)
 
 
-def worker_loop(model, cache, ch: StepChannel) -> None:
+def worker_loop(model, cache, ch: StepChannel, lora=None) -> None:
+    """lora: the worker's LoraReceiver (with the LoraContext its layers read), when LoRA is on."""
     from ..kv_cache.metadata import AttentionMetadata
 
     with torch.inference_mode():
         while True:
-            op, payload = recv_op(ch)
+            op, a, b, ts = ch.recv()
             if op == FORWARD:
-                ids, positions, slots, tables, qsl, lens = payload
-                model(ids, positions, cache, AttentionMetadata(slots, tables, qsl, lens))
+                ids, positions, slots, tables, qsl, lens = ts[:6]
+                meta = AttentionMetadata(slots, tables, qsl, lens)
+                if lora is None:
+                    model(ids, positions, cache, meta)
+                else:
+                    receiver, ctx = lora
+                    with ctx.use(receiver.batch(ts[6] if len(ts) > 6 else None, ids.device)):
+                        model(ids, positions, cache, meta)
+            elif op == LOGITS:
+                model.logits(ts[0])
             elif op == COPY_PAGE:
-                cache.copy_page(*payload)
+                cache.copy_page(a, b)
+            elif op == LORA_META:
+                lora[0].meta(a, word_float(b))
+            elif op == LORA_DELTA:
+                lora[0].delta(a, b, *ts)
+            elif op == LORA_DROP:
+                lora[0].drop(a)
             elif op == STOP:
                 return
             else:

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 
 LINE = 64   # one cache line per counter
+SPIN_S = 50e-6        # spin this long before yielding the core at each check
+IDLE_S = 2e-3         # an idle wait (the next step's message) sleeps between checks past this
+IDLE_SLEEP_S = 2e-4
 
 
 class ShmExchange:
@@ -40,24 +43,40 @@ class ShmExchange:
         raw = torch.frombuffer(self._map, dtype=torch.uint8, offset=header, count=2 * size * slot_bytes)
         self._slots = raw.view(2, size, slot_bytes)
         self.step = 0
+        self._others = [j for j in range(size) if j != rank]
+        self.alive = None     # a callable that raises when a peer process is known to be gone
 
-    def _wait(self, at_least: int) -> None:
-        c, me = self._counters, self.rank
-        others = [j for j in range(self.size) if j != me]
+    def _wait(self, at_least: int, idle: bool = False, ranks=None) -> None:
+        """Until every other rank (or those of `ranks`) has published at_least. The policy: spin (a partner on its own core answers
+        within microseconds), then yield the core at every check (SPIN_S on: a partner the OS descheduled gets
+        to run), and, idle (a worker waiting for rank 0's next step, for as long as the server idles), sleep
+        between checks past IDLE_S, with no deadline. A model collective fails past timeout_s, or at once when
+        `alive` (rank 0's supervisor check) raises because a peer process is gone."""
+        c = self._counters
+        others = self._others if ranks is None else ranks
+        if all(c[j, 0] >= at_least for j in others):
+            return
         spins = 0
-        deadline = None
+        waited, last = 0.0, time.monotonic()
         while True:
             if all(c[j, 0] >= at_least for j in others):
                 return
             spins += 1
-            if spins % 4096 == 0:
+            if spins & 63 == 0:
                 now = time.monotonic()
-                deadline = deadline or now + self.timeout_s
-                if now > deadline:
-                    raise RuntimeError(f"shared-memory collective: a rank did not reach step {at_least} within "
-                                       f"{self.timeout_s:.0f} s")
-                if spins > 1 << 16:
-                    time.sleep(0)   # a long wait (the peer computes): let the OS run it
+                waited += min(now - last, 0.1)   # a gap (this process stopped or descheduled) is not the peer's
+                last = now
+                if waited > SPIN_S:
+                    if idle and waited > IDLE_S:
+                        time.sleep(IDLE_SLEEP_S)
+                    else:
+                        os.sched_yield()
+                if spins & 4095 == 0 and not idle:
+                    if self.alive is not None:
+                        self.alive()
+                    if waited > self.timeout_s:
+                        raise RuntimeError(f"shared-memory collective: a rank did not reach step {at_least} within "
+                                           f"{self.timeout_s:.0f} s")
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() * t.element_size() <= self.slot_bytes
@@ -72,6 +91,21 @@ class ShmExchange:
         self._counters[self.rank, 0] = s
         self._wait(s)
         return [self._slots[buf, j, :n].view(t.dtype).view(t.shape) for j in range(self.size)]
+
+    def broadcast(self, data: torch.Tensor | None, idle: bool = False) -> torch.Tensor:
+        """Rank 0's bytes (a uint8 tensor, at most slot_bytes; None on the other ranks) to every rank: its slot of
+        this step's buffer (valid until this rank's next call). Rank 0 does not wait for the readers (the next
+        call's buffer wait orders them); the others wait for rank 0, idle: as long as it takes."""
+        s = self.step = self.step + 1
+        buf = s % 2
+        if self.rank == 0:
+            self._wait(s - 1)
+            self._slots[buf, 0, :data.numel()].copy_(data)
+            self._counters[0, 0] = s
+            return self._slots[buf, 0]
+        self._counters[self.rank, 0] = s      # done with the buffers before this one (callers copy out)
+        self._wait(s, idle, (0,))
+        return self._slots[buf, 0]
 
     def close(self, unlink: bool = False) -> None:
         self._counters = self._slots = None

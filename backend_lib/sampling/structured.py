@@ -31,6 +31,9 @@ import torch
 
 from ..contract.errors import RequestError
 from ..contract.structured import StructuredSpec
+from .json_digits import DigitRun, DigitTable, schema_allows_bound
+
+DIGIT_BOUND_KINDS = ("json", "json_object", "tool_calls")   # what json_digits bounds (JSON numbers in the output)
 
 CACHE_SIZE = 256                # compiled grammars kept (LRU), keyed by the canonical spec
 PROBE_STEPS = 8    # tokens walked at admission: a grammar too large for the engine's limits fails within these
@@ -65,10 +68,13 @@ class GrammarState:
     """One request's grammar: waits for `wait_for` (the think block's end) when set, then masks and advances.
     A grammar error after admission (a limit the probe did not reach) fails the request naming `field`."""
 
-    def __init__(self, matcher, wait_for: int | None, field: str = "structured_outputs"):
+    def __init__(self, matcher, wait_for: int | None, field: str = "structured_outputs",
+                 digits: DigitTable | None = None):
         self.matcher = matcher
         self.wait_for = wait_for
         self.field = field
+        self.digits = digits          # JSON numbers' digits bounded (json_digits), None: not
+        self.run = DigitRun()
 
     @property
     def active(self) -> bool:
@@ -79,13 +85,19 @@ class GrammarState:
         self.matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
         if self.matcher.is_error():
             raise RequestError(f"{self.field}: the grammar failed ({_first_error_line(self.matcher)})")
+        if self.digits is not None:
+            self.run.restrict(self.digits, out.numpy())
+
+    def _advance(self, token_id: int) -> None:
+        if self.digits is not None:
+            self.run = self.run.after(self.digits.token_bytes[token_id])
 
     def fill_masks(self, draft: list[int], out: torch.Tensor) -> list[bool]:
         """Speculative verification: into out[p] the mask after the first p draft tokens (p = 0 .. len(draft)),
         the grammar left as it was. A position past a draft token the grammar does not allow is never reached (the
         draft is rejected there): it is not masked. Returns, per position, whether the grammar masks it (not
         while it waits for the think block's end)."""
-        wait_for, consumed, masked = self.wait_for, 0, []
+        wait_for, run, consumed, masked = self.wait_for, self.run, 0, []
         try:
             for p in range(len(draft) + 1):
                 masked.append(self.active)
@@ -99,13 +111,14 @@ class GrammarState:
                         self.wait_for = None
                 elif self.matcher.validate_tokens([tok]) == 1 and self.matcher.consume_token(tok):
                     consumed += 1
+                    self._advance(tok)
                 else:               # the draft is rejected here: the positions after it are never sampled
                     masked.extend([False] * (len(draft) - p))
                     break
         finally:
             if consumed:
                 self.matcher.rollback(consumed)
-            self.wait_for = wait_for
+            self.wait_for, self.run = wait_for, run
         return masked
 
     def accept(self, token_id: int) -> bool:
@@ -117,6 +130,7 @@ class GrammarState:
         if not self.matcher.consume_token(token_id):
             raise RequestError(f"{self.field}: the grammar failed at token {token_id} "
                                f"({_first_error_line(self.matcher)})")
+        self._advance(token_id)
         return self.matcher.is_stopped()
 
 
@@ -143,6 +157,7 @@ class GrammarCompiler:
         self.think_end_id = think_end_id
         self._lock = threading.Lock()
         self._tokenizer = None
+        self._digits: DigitTable | None = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
 
     def _llg_tokenizer(self):
@@ -151,6 +166,13 @@ class GrammarCompiler:
             self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
                                                      eos_token=self.eos_ids)
         return self._tokenizer
+
+    def _digit_table(self) -> DigitTable:
+        """Each token's bytes and leading digits (json_digits), built once, on the first JSON request."""
+        if self._digits is None:
+            tok = self._llg_tokenizer()
+            self._digits = DigitTable([tok.decode_bytes([i]) for i in range(self.vocab_size)])
+        return self._digits
 
     def token_ref(self, text: str) -> str:
         """How a grammar names `text`: the vocabulary's token (`<[id]>`) where the text is one special or added
@@ -183,4 +205,7 @@ class GrammarCompiler:
             else:
                 self._cache.move_to_end(key)
             matcher = pristine.deep_copy()
-        return GrammarState(matcher, self.think_end_id if wait_for_think_end else None, spec.field)
+            digits = None
+            if spec.kind in DIGIT_BOUND_KINDS and schema_allows_bound(spec.text):
+                digits = self._digit_table()
+        return GrammarState(matcher, self.think_end_id if wait_for_think_end else None, spec.field, digits)

@@ -35,6 +35,12 @@ from .triton_config import engine_config_from_args
 
 log = get_logger()
 CANCEL_SWEEP_S = 0.1
+# A sweep asks the server, per open request, whether its client cancelled (one round trip each): with many open
+# requests on a loaded host one sweep can take longer than CANCEL_SWEEP_S, and sweeping again after every single
+# output then starved the responses queued behind (an abort's final response among them: the front's abort
+# fallback fired, tests/test_openai_server.py's disconnect storm). The next sweep waits SWEEP_SPACING times as
+# long as the last one took, so sweeps take at most 1 / (1 + SWEEP_SPACING) of the response thread.
+SWEEP_SPACING = 4.0
 FINAL_METRICS_WAIT_S = 0.05
 
 
@@ -44,6 +50,20 @@ class Overloaded(Exception):
 
 class EngineDead(Exception):
     """The engine thread has died: every request is refused at once (UNAVAILABLE)."""
+
+
+class SweepPacer:
+    """When the response thread sweeps for cancelled requests next: CANCEL_SWEEP_S after the last sweep ended, or
+    SWEEP_SPACING times its duration when that is longer (see SWEEP_SPACING)."""
+
+    def __init__(self):
+        self.next_at = 0.0
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_at
+
+    def swept(self, started: float, ended: float) -> None:
+        self.next_at = ended + max(CANCEL_SWEEP_S, SWEEP_SPACING * (ended - started))
 
 
 class TritonLLMModel:
@@ -225,7 +245,7 @@ class TritonLLMModel:
 
     # ----- response thread -------------------------------------------------------------------------
     def _respond_loop(self) -> None:
-        last_sweep = 0.0
+        pacer, slow_logged = SweepPacer(), -60.0
         while not (self._stop.is_set() and self._queue.empty()):
             try:
                 state, out = self._queue.get(timeout=CANCEL_SWEEP_S)
@@ -240,13 +260,18 @@ class TritonLLMModel:
                         self._count_final(state, FinishReason.CANCELLED)
             except queue.Empty:
                 pass
-            now = time.perf_counter()
-            if now - last_sweep >= CANCEL_SWEEP_S and not self.life.exiting:
-                last_sweep = now
+            if pacer.due(time.perf_counter()) and not self.life.exiting:
+                started = time.perf_counter()
                 try:
                     self._sweep_cancelled()
                 except Exception:
                     log.exception("%s: cancellation sweep failed", self.name)
+                ended = time.perf_counter()
+                pacer.swept(started, ended)
+                if ended - started > CANCEL_SWEEP_S and ended - slow_logged >= 60.0:   # one line a minute at most
+                    slow_logged = ended
+                    log.info("%s: a cancellation sweep of %d open requests took %.2f s; the next in %.2f s", self.name,
+                             len(self._active), ended - started, pacer.next_at - ended)
 
     def _close(self, state: RequestState) -> None:
         state.done = True

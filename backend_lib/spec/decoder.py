@@ -115,6 +115,10 @@ def make_proposer(cfg: SpeculativeConfig, ctx: ProposerContext | None = None) ->
         from .draft_model import DraftModelMethod
 
         return DraftModelMethod(cfg.num_speculative_tokens, cfg.model, ctx)
+    if cfg.method == "eagle3":   # an EAGLE-3 head over the target's hidden states (spec/eagle3.py)
+        from .eagle3 import Eagle3Method
+
+        return Eagle3Method.build(cfg, ctx)
     raise ValueError(f"speculative_config.method: {cfg.method!r} has no proposer")
 
 
@@ -242,6 +246,10 @@ class SpecDecoder:
             tail = seq.block_table[keep:]
             del seq.block_table[keep:]
             bm.free(tail)
+
+    def observe(self, seq, start: int, rows: torch.Tensor) -> None:
+        """[eagle3] The target's aux hidden states of seq's positions start .. start + n - 1 (this step's rows)."""
+        self.proposer.observe(seq, self.state(seq).proposer, start, rows)
 
     def free(self, seq) -> None:
         """seq finished, was aborted or preempted: the proposer gives back what it holds for it."""

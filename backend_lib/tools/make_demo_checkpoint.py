@@ -2,7 +2,7 @@
 
     python -m backend_lib.tools.make_demo_checkpoint OUT [--size tiny|0.6b|tiny-moe|30b-a3b]
         [--format bf16|a8w8|w4a16|gptq|awq] [--group-size N (0: channel-wise)] [--asym] [--desc-act] [--seed N]
-        [--layers N] [--task generate|embed]
+        [--layers N] [--task generate|embed] [--stream]
 
 bf16 is a plain transformers safetensors checkpoint; a8w8 goes through compressed-tensors
 (W8A8 preset: int8 per-channel weights, dynamic int8 per-token activations, lm_head ignored) exactly
@@ -15,6 +15,8 @@ The MoE sizes (model_type qwen3_moe: tiny-moe for tests, 30b-a3b in Qwen3-30B-A3
 fewer of its 48 layers) are written as the published MoE checkpoints are: one tensor per expert
 (`model.layers.N.mlp.experts.E.{gate,up,down}_proj`, as transformers' save_pretrained writes them), the routers
 `model.layers.N.mlp.gate` and `lm_head` in bf16 and in the quantization config's `ignore` (a8w8, w4a16).
+`--stream` writes a MoE size tensor by tensor into sharded safetensors without holding the model (the full
+30b-a3b: 61 GB in bf16, ~16 GB in w4a16), random in the stored form (tools/moe_stream_writer.py).
 compressed-tensors quantizes nn.Linear modules only and transformers 5 holds the experts as fused 3-D
 parameters, so the MoE formats are quantized here, tensor by tensor, in the layout compressed-tensors writes
 (int8 `weight` + `weight_scale` [N, 1]; pack-quantized `weight_packed` / `weight_scale` / `weight_shape` /
@@ -155,9 +157,10 @@ def write_sentence_transformers(out: Path, hidden_size: int, max_seq_length: int
 
 def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0, overwrite: bool = False,
           group_size: int | None = 32, symmetric: bool = True, desc_act: bool = False, shared_perm: bool = True,
-          task: str = "generate", **config_overrides) -> Path:
+          task: str = "generate", stream: bool = False, **config_overrides) -> Path:
     """group_size (None: channel-wise), symmetric, desc_act: the int4 formats' options (gptq: all three; awq:
-    group_size, always asymmetric; w4a16: group_size and symmetric)."""
+    group_size, always asymmetric; w4a16: group_size and symmetric). stream (MoE sizes): tensor by tensor into
+    sharded safetensors, random in the stored form, never holding the model (tools/moe_stream_writer.py)."""
     from .qwen_vocab import write_qwen3_tokenizer
 
     if task not in TASKS:
@@ -172,12 +175,19 @@ def build(out: str | Path, size: str = "tiny", fmt: str = "bf16", seed: int = 0,
     t0 = time.time()
     log.info("building a %s %s demo checkpoint in %s", size, fmt, out)
     config = qwen3_config(size, **config_overrides)
-    model = random_model(config, seed)
+    if stream and (config.model_type != "qwen3_moe" or task != "generate"):
+        raise ValueError("--stream: only the MoE sizes (tiny-moe, 30b-a3b) are written tensor by tensor")
+    model = None if stream else random_model(config, seed)
     moe = config.model_type == "qwen3_moe"
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent if out.parent.exists() else None))
-    saved = model.model if task == "embed" else model   # an embedding checkpoint is the bare Qwen3Model
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent))
+    saved = model.model if task == "embed" and model is not None else model   # an embedding checkpoint: Qwen3Model
     try:
-        if moe and fmt in ("a8w8", "w4a16"):
+        if stream:
+            from .moe_stream_writer import write_streamed
+
+            write_streamed(tmp, config, fmt, group_size, symmetric, seed)
+        elif moe and fmt in ("a8w8", "w4a16"):
             model.save_pretrained(tmp)
             del model
             from .moe_writer import quantize_moe_checkpoint
@@ -230,12 +240,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="keep this many decoder layers (e.g. 30b-a3b for a bench)")
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--task", choices=TASKS, default="generate", help="embed: a Qwen3-Embedding checkpoint")
+    ap.add_argument("--stream", action="store_true",
+                    help="MoE sizes: write tensor by tensor, random in the stored form (the full 30b-a3b shape)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
         build(args.out, args.size, args.format, args.seed, args.overwrite, args.group_size or None, not args.asym,
-              args.desc_act, task=args.task, **overrides)
+              args.desc_act, task=args.task, stream=args.stream, **overrides)
     except (FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ import torch
 
 from ..contract import Kernels
 from .build import load_cpu_extension
+from .moe import cpu_moe
 
 __all__ = ["load"]
 
@@ -48,7 +49,8 @@ def load(cache_dir=None) -> Kernels | None:
     if not load_cpu_extension(cache_dir):
         return None
     ops = torch.ops.qwen3_cpu
-    return Kernels(
+    this: list[Kernels] = []   # the set itself, for the MoE slot's composed fallback
+    kernels = Kernels(
         name="cpu",
         rms_norm=ops.rms_norm,
         add_rms_norm=ops.add_rms_norm,
@@ -65,4 +67,7 @@ def load(cache_dir=None) -> Kernels | None:
         paged_attention=ops.paged_attention,
         tq_write=ops.tq_write,
         tq_paged_attention=ops.tq_paged_attention,
+        moe=lambda x, ids, weights, experts: cpu_moe(this[0], x, ids, weights, experts),
     )
+    this.append(kernels)
+    return kernels

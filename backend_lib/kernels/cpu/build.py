@@ -3,6 +3,14 @@
 The build is keyed by the sources, the compiler flags, the torch version and the CPU's
 instruction-set flags, so a cache folder can be shared across restarts (warm load: well under a
 second) and a different machine never picks up a binary built for other instructions.
+
+`$QWEN3_CPU_ISA` picks the instruction set the kernels are built for: `native` (the default: all this host
+has, `-march=native`), `avx2vnni` (AVX2 + FMA + 256-bit AVX-VNNI, no AVX-512: an Alder Lake+ / Zen 5 client
+host), `avx2` (AVX2 + FMA only, no AVX-512 and no AVX-VNNI: a Haswell..Zen 3 host) or `scalar` (no AVX2, no
+FMA). Each only takes instructions away from `-march=native` (ISA_FLAGS), so any of them runs on this host, and
+the AVX2 / scalar paths of csrc/ can be built, tested and measured on an AVX-512 machine. The builds differ
+from one another in their float sums (16, 8 or 1 lanes), each is batch invariant and deterministic; the A8W8
+GEMV's int32 sums are exact on all of them.
 """
 from __future__ import annotations
 
@@ -42,10 +50,31 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cflags() -> list[str]:
+# The compiler flags of each $QWEN3_CPU_ISA build, added after -march=native (one home: tests/isa_bits.py uses them).
+ISA_FLAGS = {
+    "native": [],
+    "avx2vnni": ["-mno-avx512f"],
+    "avx2": ["-mno-avx512f", "-mno-avxvnni"],
+    "scalar": ["-mno-avx512f", "-mno-avxvnni", "-mno-avx2", "-mno-fma"],
+}
+
+
+def cpu_isa() -> str:
+    """$QWEN3_CPU_ISA (default native); an unknown value is an error naming the variable, never ignored."""
+    isa = os.environ.get("QWEN3_CPU_ISA", "").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"QWEN3_CPU_ISA={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    if isa != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        raise ValueError(f"QWEN3_CPU_ISA={isa!r}: only x86-64 builds take an ISA (this is {platform.machine()})")
+    return isa
+
+
+def _cflags(isa: str | None = None) -> list[str]:
+    """The kernel set's compiler flags for `isa` (default: $QWEN3_CPU_ISA)."""
     flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=native")
+        flags += ISA_FLAGS[isa or cpu_isa()]
     else:
         flags.append("-mcpu=native")
     return flags
@@ -79,7 +108,7 @@ def _load(cache_dir: Path) -> bool:
         log.warning("no C++ compiler found: using the pure-PyTorch reference kernels (slower)")
         return False
     sources = sorted(p for p in CSRC.iterdir() if p.suffix == ".cpp")
-    cflags = _cflags()
+    cflags = _cflags()   # a bad $QWEN3_CPU_ISA raises here, before the fallback below
     key = _build_key(sources, cflags)
     build_dir = cache_dir / f"{LIB_NAME}_{key}"
     build_dir.mkdir(parents=True, exist_ok=True)

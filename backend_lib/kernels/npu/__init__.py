@@ -7,6 +7,8 @@
   KV write        _npu_reshape_and_cache, into this set's own layout: K and V [pages, page_size, KVH, D]
   attention       npu_fused_infer_attention_score over the block table (TND queries, paged BSH keys and
                   values, sparse_mode 3: causal aligned to the end of each sequence's context)
+  MoE             npu_moe_gating_top_k_softmax, npu_moe_init_routing_v2, npu_grouped_matmul,
+                  npu_moe_finalize_routing over each layer's experts stacked once (moe.py)
   q/k-norm + RoPE, float linear, TurboQuant: the reference set (pure PyTorch, runs on an NPU)
 
 It has NOT run on an NPU. tests/test_kernels_npu.py runs it against emulations of each op written from
@@ -20,7 +22,9 @@ from __future__ import annotations
 import torch
 
 from ..contract import Kernels
+from ..moe import grouped_moe
 from ..reference import KERNELS as REFERENCE
+from . import moe
 
 __all__ = ["kernel_set", "load"]
 
@@ -79,7 +83,12 @@ def kernel_set(tnpu) -> Kernels:
             num_heads=h, num_key_value_heads=kvh, scale=float(scale), sparse_mode=3)
         return out
 
-    return Kernels(
+    def moe_experts(x, topk_ids, topk_weights, experts):
+        if isinstance(experts, moe.NpuExperts):
+            return moe.fused_moe(tnpu, silu_mul, x, topk_ids, topk_weights, experts)
+        return grouped_moe(kernels, x, topk_ids, topk_weights, experts)
+
+    kernels = Kernels(
         name="npu",
         rms_norm=rms_norm,
         add_rms_norm=add_rms_norm,
@@ -97,7 +106,11 @@ def kernel_set(tnpu) -> Kernels:
         tq_write=REFERENCE.tq_write,
         tq_paged_attention=REFERENCE.tq_paged_attention,
         kv_shapes=kv_shapes,
+        moe=moe_experts,
+        moe_weights=moe.moe_weights,
+        moe_route=lambda logits, top_k, norm: moe.route(tnpu, logits, top_k, norm),
     )
+    return kernels
 
 
 def load(device: torch.device) -> Kernels:

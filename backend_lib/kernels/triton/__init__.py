@@ -4,6 +4,8 @@
   linear.py     A8W8 (fused per-token int8 quantization + int8 GEMM, bit-exact) and float linear
   norm.py       RMSNorm, add + RMSNorm, q/k-norm + RoPE, SiLU-mul
   attention.py  paged attention (prefill and decode), KV write, TurboQuant write / rotated-space attention
+  moe.py        the fused MoE: pairs sorted by expert and padded to the block, grouped GEMMs, the combine
+  experts.py    the MoE slot: each layer's experts stacked once, the fused path's glue
   ops.py        the kernels as torch custom ops with fake implementations
   kernel_set.py the `Kernels` set
   aot.py        ahead-of-time compilation of every launched variant for a GPU target (no GPU needed)

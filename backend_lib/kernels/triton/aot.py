@@ -3,7 +3,8 @@
 `triton.compile` with a `GPUTarget` builds PTX and a cubin with no GPU present; the bundled ptxas (-v) reports
 registers and spill bytes; the compiled metadata the shared memory. Variants: the launch configurations of
 linear.py / norm.py / attention.py (imported with TRITON_INTERPRET unset, so they are the GPU ones) at the
-shapes of Qwen3-0.6B, 8B and 14B (GQA groups 2, 4, 5) in bf16 with the default page size, dense and TurboQuant KV.
+shapes of Qwen3-0.6B, 8B and 14B (GQA groups 2, 4, 5) in bf16 with the default page size, dense and TurboQuant KV,
+and the fused MoE kernels (moe.py) at each of their tile buckets.
 
     python -m backend_lib.kernels.triton.aot [--arch 90 --arch 80] [--json]
 """
@@ -24,6 +25,7 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 # Qwen3-0.6B and Qwen3-8B: hidden, heads, kv heads, head_dim, intermediate
 SHAPES = {"0.6b": (1024, 16, 8, 128, 3072), "8b": (4096, 32, 8, 128, 12288), "14b": (5120, 40, 8, 128, 17408)}
 PAGE = 128
+MOE_HIDDEN = (2048, 4096)     # Qwen3-30B-A3B, Qwen3-235B-A22B
 
 
 @dataclass
@@ -42,8 +44,10 @@ def _sig(names, types: dict, constexprs: dict) -> dict:
 
 def variants() -> list[Variant]:
     os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+
     from ...kv_cache.layout import key_block_width
-    from . import attention, linear, norm
+    from . import attention, linear, moe, norm
 
     out: list[Variant] = []
 
@@ -62,6 +66,23 @@ def variants() -> list[Variant]:
         cfg = linear.FLOAT_CONFIG
         add(linear.float_linear_kernel, {"x_ptr": bf, "w_ptr": bf, "y_ptr": f"*{out_dtype}"},
             {**cfg, "OUT": code, "INTERP": False, "PREC": 0}, cfg, f"float_linear out={out_dtype}")
+    # the fused MoE (moe.py): gate/up + SwiGLU and down + router weight, A8W8 at each tile bucket and bf16 experts,
+    # and the combine at Qwen3-30B-A3B / 235B-A22B's hidden sizes (8 experts per token)
+    moe_sig = {"a_ptr": bf, "ws_ptr": "*fp32", "pw_ptr": bf, "y_ptr": bf, "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+               "npad_ptr": "*i32"}
+    for quant in (True, False):
+        for pairs, experts in moe.MOE_BUCKETS if quant else moe.MOE_BUCKETS[:1]:
+            for gated in (True, False):
+                cfg = moe.moe_config(quant, pairs, experts, gated)
+                add(moe.moe_gemm_kernel, {**moe_sig, "w_ptr": "*i8" if quant else bf},
+                    {**cfg, "A_DIV": 8 if gated else 1, "QUANT": quant, "GATED": gated, "MUL_W": not gated,
+                     "EVEN_K": True, "OUT": 1, "INTERP": False, "PREC": 0}, cfg,
+                    f"moe {'a8w8' if quant else 'bf16'} {'gate_up+swiglu' if gated else 'down+weight'} "
+                    f"BLOCK_M={cfg['BLOCK_M']}")
+    for hid in MOE_HIDDEN:
+        block = min(moe.COMBINE_BLOCK, triton.next_power_of_2(hid))
+        add(moe.moe_combine_kernel, {"c_ptr": bf, "y_ptr": bf}, {"TOPK": 8, "BLOCK": block, "OUT": 1}, {},
+            f"moe combine hidden={hid}")
     seen = set()
     for name, (hid, h, kvh, d, inter) in SHAPES.items():
         import triton
@@ -171,7 +192,8 @@ def problems(results: list[dict]) -> list[str]:
             bad.append(f"{where}: register spills ({r['spill_stores']} bytes stored, {r['spill_loads']} loaded)")
         if r["shared"] > r["shared_limit"]:
             bad.append(f"{where}: {r['shared']} bytes of shared memory > {r['shared_limit']}")
-        if r["kernel"] == "a8w8_kernel" and not any(".s8" in i for i in r["mma"]):
+        int8 = r["kernel"] == "a8w8_kernel" or (r["kernel"] == "moe_gemm_kernel" and "a8w8" in r["label"])
+        if int8 and not any(".s8" in i for i in r["mma"]):
             bad.append(f"{where}: the int8 GEMM uses no int8 MMA instruction")
     return bad
 

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from .. import reference
 from ..contract import Kernels
+from ..moe import grouped_moe
 from . import ops
 from .attention import kv_shapes
+from .experts import PackedExperts, fused_moe, moe_weights
 
 
 def _qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads, num_kv_heads, eps):
@@ -14,6 +16,12 @@ def _qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads, num_kv_heads, ep
     # (tests/test_no_host_sync.py) cannot index
     v = qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).reshape(qkv.shape[0], num_kv_heads, d)
     return q, k, v
+
+
+def _moe(x, topk_ids, topk_weights, experts):
+    if isinstance(experts, PackedExperts):
+        return fused_moe(x, topk_ids, topk_weights, experts)
+    return grouped_moe(KERNELS, x, topk_ids, topk_weights, experts)
 
 
 KERNELS = Kernels(
@@ -36,4 +44,6 @@ KERNELS = Kernels(
     tq_write=ops.tq_write,
     tq_paged_attention=ops.tq_paged_attention,
     kv_shapes=kv_shapes,
+    moe=_moe,
+    moe_weights=moe_weights,
 )

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from . import attention, linear, norm
+from . import attention, linear, moe, norm
 
 
 @custom_op("qwen3_triton::a8w8_linear", mutates_args=())
@@ -122,3 +122,27 @@ def tq_paged_attention(q: Tensor, k_codes: Tensor, k_scales: Tensor, v_codes: Te
 @tq_paged_attention.register_fake
 def _(q, k_codes, k_scales, v_codes, v_scales, block_tables, query_start_loc, seq_lens, rotation, centroids, scale):
     return torch.empty_like(q)
+
+
+@custom_op("qwen3_triton::moe_gemm", mutates_args=())
+def moe_gemm(a: Tensor, w: Tensor, w_scale: Optional[Tensor], sorted_pairs: Tensor, block_expert: Tensor,
+             num_padded: Tensor, pair_weights: Optional[Tensor], num_pairs: int, a_div: int, gated: bool,
+             out_dtype: torch.dtype) -> Tensor:
+    cfg = moe.moe_config(w.dtype == torch.int8, num_pairs, w.shape[0], gated)
+    return moe.moe_gemm(a, w, w_scale, sorted_pairs, block_expert, num_padded, pair_weights, num_pairs, a_div,
+                        gated, out_dtype, cfg)
+
+
+@moe_gemm.register_fake
+def _(a, w, w_scale, sorted_pairs, block_expert, num_padded, pair_weights, num_pairs, a_div, gated, out_dtype):
+    return a.new_empty((num_pairs, w.shape[1] // 2 if gated else w.shape[1]), dtype=out_dtype)
+
+
+@custom_op("qwen3_triton::moe_combine", mutates_args=())
+def moe_combine(contrib: Tensor, topk: int) -> Tensor:
+    return moe.moe_combine(contrib, topk)
+
+
+@moe_combine.register_fake
+def _(contrib, topk):
+    return contrib.new_empty((contrib.shape[0] // topk, contrib.shape[1]))

@@ -12,6 +12,11 @@
 // load. vpdpbusd multiplies unsigned by signed bytes, so activations are offset by +128 and
 // 128 * sum(w_n) is subtracted again.
 //
+// AVX-VNNI without AVX-512 (Alder Lake+ / Zen 5 client hosts, the avx2vnni build): the same scheme on ymm:
+// panels of 16 output rows; for every group of 4 k-values, 16 rows x 4 bytes (two ymm of 8 rows: one cache line
+// per group), the 256-bit vpdpbusd (u8 x s8, four products summed into each int32 lane, no saturation) with the
+// same +128 offset and colsum correction.
+//
 // Otherwise (AVX2, and the portable fallback): panels of 16 output rows; for every pair of k-values,
 // 16 rows x 2 bytes (32 bytes, one sequential stream). Weights stay int8 in memory and are
 // sign-extended to int16 in registers (one vpmovsxbw per 8 rows, shared by up to 6 x rows);
@@ -20,6 +25,19 @@
 // where vpmaddubsw would saturate int16 with the +128 offset), needs no offset and no weight-range
 // assumption, and costs the same multiplier throughput per k as the vpsignb + vpmaddubsw + vpmaddwd
 // sequence.
+//
+// Exactness: every path sums products of integers into int32 with no saturating step (vpmaddwd: int16 x int16
+// pairs, |q w| <= 128 * 128; vpdpbusd: (q + 128) in [0, 255] times w in [-128, 127], under 2^15 each), so for any
+// K below 2^16 no sum can leave int32, and the order of the sums (one or two chains per output vector, any
+// unrolling) never changes a result: the int32 sum (minus 128 * sum(w_n) on the VNNI paths), and the fp32
+// epilogue after it, are the same bits on every path, in every batch.
+//
+// Batch-1 streaming (the decode GEMVs): a single x row leaves the core little arithmetic to hide the weight's
+// memory latency behind, and on ymm the out-of-order window covers few cache lines ahead. The ymm tiles therefore
+// prefetch the panel stream kPrefetch bytes ahead (a prefetch retires at once, so the lines in flight no longer
+// depend on how many instructions fit in the window; past a panel's end it reaches into the next panel, which is
+// the next one read), and a single row runs two chains of sums per output vector (odd and even groups) so the
+// accumulation latency does not bound the loop.
 #include "parts.h"
 #include "vec.h"
 
@@ -30,7 +48,20 @@ namespace qk {
 namespace {
 
 #if defined(__AVX512VNNI__)
+#define QK_A8W8_ZMM 1       // 64-row panels, vpdpbusd on zmm
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+#define QK_A8W8_VNNI256 1   // 16-row panels of 4-byte groups, vpdpbusd on ymm (AVX-VNNI)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QK_A8W8_AVX2 1      // 16-row panels of k-pairs, vpmaddwd
+#endif
+
+#if defined(QK_A8W8_ZMM)
 constexpr int64_t kPanel = 64;   // output rows per panel (4 zmm x 16 int32 lanes)
+constexpr int64_t kGroup = 4;    // k-values per weight group (one vpdpbusd lane)
+constexpr int32_t kOffset = 128; // activations stored as q + 128 (unsigned bytes)
+using qx_t = uint8_t;
+#elif defined(QK_A8W8_VNNI256)
+constexpr int64_t kPanel = 16;   // output rows per panel (2 ymm x 8 int32 lanes)
 constexpr int64_t kGroup = 4;    // k-values per weight group (one vpdpbusd lane)
 constexpr int32_t kOffset = 128; // activations stored as q + 128 (unsigned bytes)
 using qx_t = uint8_t;
@@ -41,17 +72,31 @@ constexpr int32_t kOffset = 0;   // activations stored as signed int16
 using qx_t = int16_t;
 #endif
 constexpr int kMaxRows = 6;      // x rows per register tile (6 x 4 zmm or 6 x 2 ymm accumulators)
+#if defined(QK_A8W8_VNNI256) || defined(QK_A8W8_AVX2)
+#ifndef QK_A8W8_PREFETCH
+#define QK_A8W8_PREFETCH 1024
+#endif
+constexpr int64_t kPrefetch = QK_A8W8_PREFETCH;   // bytes ahead in the panel stream (a multiple of 64)
+#endif
 
 // The vector width of the quantization loop and its store of 16 / 8 rounded lanes in [-128, 127] as qx_t: it
-// follows the activation layout (VNNI: uint8 q + 128, on 16 lanes; AVX2: int16, on 8).
-#if defined(__AVX512VNNI__)
+// follows the activation layout (VNNI: uint8 q + 128, on 16 lanes; AVX-VNNI: the same on 8; AVX2: int16, on 8).
+#if defined(QK_A8W8_ZMM)
 #define QK_A8W8_QLANES 1
 using QV = F32x16;
 inline void store_q(qx_t* q, __m512 v) {
   const __m512i iv = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(iv));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(QK_A8W8_VNNI256)
+#define QK_A8W8_QLANES 1
+using QV = F32x8;
+inline void store_q(qx_t* q, __m256 v) {
+  const __m256i iv = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(128));   // in [0, 255]
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(iv), _mm256_extracti128_si256(iv, 1));   // exact
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(q), _mm_packus_epi16(w, w));                         // exact
+}
+#elif defined(QK_A8W8_AVX2)
 #define QK_A8W8_QLANES 1
 using QV = F32x8;
 inline void store_q(qx_t* q, __m256 v) {
@@ -91,32 +136,110 @@ inline float quantize_row(const T* x, int64_t K, int64_t Kp, qx_t* q) {
   return scale;
 }
 
-#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(QK_A8W8_AVX2)
 // The AVX2 register tile: MB x rows against a 16-row panel ([KG][16][2]) of int8 weights, sign-extended per
 // k-pair, or of int16 weights already widened (widen_panel): with many x rows (prefill) a panel is widened
 // once per call instead of once per 6-row tile, which takes the two vpmovsxbw out of a loop of 12 vpmaddwd
-// + 12 vpaddd. Integer sums: the same int32 results either way.
+// + 12 vpaddd. Integer sums: the same int32 results either way. The int8 panels are streamed from memory:
+// one prefetch per cache line (two k-pairs) kPrefetch bytes ahead; one x row keeps a second set of sums for
+// the odd k-pairs (added at the end: exact).
 template <int MB, typename WT>
 inline void panel_tile_avx2(const int16_t* xu, int64_t ldx, const WT* panel, int64_t KG, int32_t* out) {
-  __m256i acc[MB][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-  for (int64_t g = 0; g < KG; ++g) {
-    __m256i w0, w1;
-    if constexpr (std::is_same_v<WT, int8_t>) {
+  constexpr bool kStream = std::is_same_v<WT, int8_t>;
+  auto weights = [&](int64_t g, __m256i& w0, __m256i& w1) {
+    if constexpr (kStream) {
       w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + g * 32)));
       w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + g * 32 + 16)));
     } else {
       w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 32));
       w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 32 + 16));
     }
+  };
+  auto pair = [&](int i, int64_t g) {
+    int32_t xv;
+    std::memcpy(&xv, xu + i * ldx + g * 2, 4);
+    return _mm256_set1_epi32(xv);
+  };
+  __m256i acc[MB][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  int64_t g = 0;
+  if constexpr (kStream && MB == 1) {
+    __m256i odd0 = _mm256_setzero_si256(), odd1 = _mm256_setzero_si256();
+    for (; g + 2 <= KG; g += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + g * 32 + kPrefetch), _MM_HINT_T0);
+      __m256i w0, w1, v0, v1;
+      weights(g, w0, w1);
+      weights(g + 1, v0, v1);
+      const __m256i x0 = pair(0, g), x1 = pair(0, g + 1);
+      acc[0][0] = _mm256_add_epi32(acc[0][0], _mm256_madd_epi16(x0, w0));
+      acc[0][1] = _mm256_add_epi32(acc[0][1], _mm256_madd_epi16(x0, w1));
+      odd0 = _mm256_add_epi32(odd0, _mm256_madd_epi16(x1, v0));
+      odd1 = _mm256_add_epi32(odd1, _mm256_madd_epi16(x1, v1));
+    }
+    acc[0][0] = _mm256_add_epi32(acc[0][0], odd0);
+    acc[0][1] = _mm256_add_epi32(acc[0][1], odd1);
+  }
+  for (; g < KG; ++g) {
+    if constexpr (kStream) {
+      if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + g * 32 + kPrefetch), _MM_HINT_T0);
+    }
+    __m256i w0, w1;
+    weights(g, w0, w1);
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
-      int32_t xv;
-      std::memcpy(&xv, xu + i * ldx + g * 2, 4);
-      const __m256i xb = _mm256_set1_epi32(xv);
+      const __m256i xb = pair(i, g);
       acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(xb, w0));
       acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(xb, w1));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel), acc[i][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kPanel + 8), acc[i][1]);
+  }
+}
+#endif
+
+#if defined(QK_A8W8_VNNI256)
+// The AVX-VNNI register tile: MB x rows (q + 128 bytes, a 4-byte group broadcast) against a 16-row panel
+// ([KG][16][4]: one cache line per group, prefetched kPrefetch bytes ahead); one x row keeps a second set of sums
+// for the odd groups (added at the end: exact).
+template <int MB>
+inline void panel_tile_vnni256(const uint8_t* xu, int64_t ldx, const int8_t* panel, int64_t KG, int32_t* out) {
+  auto w = [&](int64_t g, int j) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 64 + j * 32)); };
+  auto group = [&](int i, int64_t g) {
+    int32_t xv;
+    std::memcpy(&xv, xu + i * ldx + g * 4, 4);
+    return _mm256_set1_epi32(xv);
+  };
+  auto ahead = [&](int64_t g) { _mm_prefetch(reinterpret_cast<const char*>(panel + g * 64 + kPrefetch), _MM_HINT_T0); };
+  __m256i acc[MB][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  int64_t g = 0;
+  if constexpr (MB == 1) {
+    __m256i odd0 = _mm256_setzero_si256(), odd1 = _mm256_setzero_si256();
+    for (; g + 2 <= KG; g += 2) {
+      ahead(g);
+      ahead(g + 1);
+      const __m256i x0 = group(0, g), x1 = group(0, g + 1);
+      acc[0][0] = _mm256_dpbusd_avx_epi32(acc[0][0], x0, w(g, 0));
+      acc[0][1] = _mm256_dpbusd_avx_epi32(acc[0][1], x0, w(g, 1));
+      odd0 = _mm256_dpbusd_avx_epi32(odd0, x1, w(g + 1, 0));
+      odd1 = _mm256_dpbusd_avx_epi32(odd1, x1, w(g + 1, 1));
+    }
+    acc[0][0] = _mm256_add_epi32(acc[0][0], odd0);
+    acc[0][1] = _mm256_add_epi32(acc[0][1], odd1);
+  }
+  for (; g < KG; ++g) {
+    ahead(g);
+    const __m256i w0 = w(g, 0), w1 = w(g, 1);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m256i xb = group(i, g);
+      acc[i][0] = _mm256_dpbusd_avx_epi32(acc[i][0], xb, w0);
+      acc[i][1] = _mm256_dpbusd_avx_epi32(acc[i][1], xb, w1);
     }
   }
 #pragma GCC unroll 8
@@ -130,7 +253,7 @@ inline void panel_tile_avx2(const int16_t* xu, int64_t ldx, const WT* panel, int
 // acc[i][j] (16 / 8 output rows each) = sum over k-groups of broadcast(x_i[group g]) . panel[g][j].
 template <int MB>
 inline void panel_kernel(const qx_t* xu, int64_t ldx, const int8_t* panel, int64_t KG, int32_t* out) {
-#if defined(__AVX512VNNI__)
+#if defined(QK_A8W8_ZMM)
   __m512i acc[MB][4];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
@@ -155,7 +278,9 @@ inline void panel_kernel(const qx_t* xu, int64_t ldx, const int8_t* panel, int64
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) _mm512_storeu_si512(out + i * kPanel + j * 16, acc[i][j]);
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(QK_A8W8_VNNI256)
+  panel_tile_vnni256<MB>(xu, ldx, panel, KG, out);
+#elif defined(QK_A8W8_AVX2)
   panel_tile_avx2<MB>(xu, ldx, panel, KG, out);
 #else
   for (int i = 0; i < MB; ++i)
@@ -169,7 +294,7 @@ inline void panel_kernel(const qx_t* xu, int64_t ldx, const int8_t* panel, int64
 #endif
 }
 
-#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(QK_A8W8_AVX2)
 inline void widen_panel(const int8_t* panel, int64_t KG, int16_t* out) {
   for (int64_t b = 0; b < KG * 32; b += 16)
     _mm256_store_si256(reinterpret_cast<__m256i*>(out + b),
@@ -243,7 +368,7 @@ void a8w8_panels(const void* xu_in, const float* sp, int64_t M, int64_t Kp, cons
   const qx_t* xup = static_cast<const qx_t*>(xu_in);
   const int64_t panel_bytes = KG * kPanel * kGroup;
   alignas(64) int32_t acc[kMaxRows * kPanel];
-#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(QK_A8W8_AVX2)
   static thread_local std::vector<int16_t> wide_buf;
   int16_t* wide = nullptr;
   if (M >= kWidenRows) {
@@ -255,12 +380,12 @@ void a8w8_panels(const void* xu_in, const float* sp, int64_t M, int64_t Kp, cons
     const int8_t* panel = wp + p * panel_bytes;
     const int64_t n0 = p * kPanel;
     const int64_t nb = std::min<int64_t>(kPanel, N - n0);
-#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(QK_A8W8_AVX2)
     if (wide) widen_panel(panel, KG, wide);
 #endif
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(QK_A8W8_AVX2)
       if (wide) panel_rows16(mb, xup + m0 * Kp, Kp, wide, KG, acc);
       else
 #endif
@@ -270,12 +395,15 @@ void a8w8_panels(const void* xu_in, const float* sp, int64_t M, int64_t Kp, cons
         T* yrow = yp + (m0 + i) * ldy + n0;
         const int32_t* a = acc + i * kPanel;
         int64_t j = 0;
-#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
-        const __m256 vs = _mm256_set1_ps(s);   // the scalar loop's two products, lane by lane
-        for (; j + 8 <= nb; j += 8)
-          store8x(yrow + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
-                                                            reinterpret_cast<const __m256i*>(a + j))), vs),
-                                          _mm256_loadu_ps(wsp + n0 + j)));
+#if defined(QK_A8W8_AVX2) || defined(QK_A8W8_VNNI256)
+        const __m256 vs = _mm256_set1_ps(s);   // the scalar loop's integer correction and two products, lane by lane
+        for (; j + 8 <= nb; j += 8) {
+          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j));
+          if constexpr (kOffset != 0)   // a - 128 * sum(w_n): the exact int32 sum of q w
+            v = _mm256_sub_epi32(v, _mm256_mullo_epi32(_mm256_set1_epi32(kOffset),
+                                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(csp + n0 + j))));
+          store8x(yrow + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), vs), _mm256_loadu_ps(wsp + n0 + j)));
+        }
 #endif
         for (; j < nb; ++j)   // (acc * s_t) * w_scale[n], the reference's order
           yrow[j] = from_f<T>((static_cast<float>(a[j] - kOffset * csp[n0 + j]) * s) * wsp[n0 + j]);

@@ -6,6 +6,7 @@
 // fixed whatever M is and whichever rows share the call, so a token's result never depends on its
 // batch. Up to 6 x-rows share every weight load; a panel is one sequential memory stream (on AVX2 a
 // tile of 2..6 x rows covers 8 to 32 of the panel's rows per pass over k; a single row takes all 64).
+#include "parts.h"
 #include "vec.h"
 
 namespace qk {
@@ -38,6 +39,11 @@ template <> inline void bf16_pairs<F32x8>(const uint16_t* p, __m256& even, __m25
   odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// Bytes ahead of the k-pair being read that an AVX2 single-row pass prefetches (its 4 cache lines per k-pair): the
+// lm_head GEMV of a decode step is the step's largest read, and one x row on ymm leaves the out-of-order window
+// few lines ahead of the stream; a prefetch retires at once. Prefetching never changes a result.
+constexpr int64_t kStreamAhead = 2048;
+
 // bf16 panel, fp32 (or bf16 without the BF16 extension) x: split each k-pair into two fp32 vectors.
 template <class V, int MB, int NJ, typename XT>
 inline void panel_bf16_fma(const XT* x, int64_t ldx, const c10::BFloat16* panel, int64_t KG, float* out, int j0) {
@@ -50,6 +56,11 @@ inline void panel_bf16_fma(const XT* x, int64_t ldx, const c10::BFloat16* panel,
     for (int j = 0; j < NJ; ++j) acc[i][j] = V::zero();
   for (int64_t g = 0; g < KG; ++g) {
     const uint16_t* p = reinterpret_cast<const uint16_t*>(panel) + g * 128 + j0 * 2 * W;
+    if constexpr (W == 8 && MB == 1) {   // AVX2, one x row: the panel's one pass, streamed (see kStreamAhead)
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kStreamAhead + 64 * l, _MM_HINT_T0);
+    }
     R we[NJ], wo[NJ];
 #pragma GCC unroll 8
     for (int j = 0; j < NJ; ++j) bf16_pairs<V>(p + j * 2 * W, we[j], wo[j]);
@@ -187,13 +198,7 @@ inline void panel_rows(int mb, const XT* x, int64_t ldx, const WT* panel, int64_
 inline int64_t k_align(const at::Tensor& w) { return w.scalar_type() == at::kBFloat16 ? 2 : 1; }
 
 template <typename XT, typename WT, typename OT>
-void linear_impl(const XT* x, int64_t Kp, const WT* wp, OT* y, int64_t M, int64_t N) {
-  const int64_t NP = (N + kPanel - 1) / kPanel;
-  // panels handed out in chunks (common.h), as the A8W8 GEMM does: a thread slowed by the host (the lm_head
-  // GEMV of a decode step is the largest read of the step) takes fewer panels instead of holding up the other
-  // at the barrier of a static split; each panel's outputs are computed the same way either way
-  const int64_t chunk = std::max<int64_t>(1, NP / (8 * at::get_num_threads()));
-  parallel_chunks(NP, chunk, [&](int64_t p0, int64_t p1) {
+void panel_range(const XT* x, int64_t Kp, const WT* wp, OT* y, int64_t M, int64_t N, int64_t p0, int64_t p1) {
     alignas(64) float acc[kMaxRows * kPanel];
     for (int64_t p = p0; p < p1; ++p) {
       const WT* panel = wp + p * Kp * kPanel;
@@ -210,10 +215,47 @@ void linear_impl(const XT* x, int64_t Kp, const WT* wp, OT* y, int64_t M, int64_
         }
       }
     }
-  });
+}
+
+template <typename XT, typename WT, typename OT>
+void linear_impl(const XT* x, int64_t Kp, const WT* wp, OT* y, int64_t M, int64_t N) {
+  const int64_t NP = (N + kPanel - 1) / kPanel;
+  // panels handed out in chunks (common.h), as the A8W8 GEMM does: a thread slowed by the host (the lm_head
+  // GEMV of a decode step is the largest read of the step) takes fewer panels instead of holding up the other
+  // at the barrier of a static split; each panel's outputs are computed the same way either way
+  const int64_t chunk = std::max<int64_t>(1, NP / (8 * at::get_num_threads()));
+  parallel_chunks(NP, chunk, [&](int64_t p0, int64_t p1) { panel_range(x, Kp, wp, y, M, N, p0, p1); });
 }
 
 }  // namespace
+
+namespace parts {
+
+bool float_linear_widens_bf16() {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <typename XT, typename WT, typename OT>
+void float_panels(const XT* x, int64_t Kp, const WT* packed, OT* y, int64_t M, int64_t N, int64_t p0, int64_t p1) {
+  panel_range(x, Kp, packed, y, M, N, p0, p1);
+}
+#define QK_FLOAT_PARTS(XT, WT, OT) \
+  template void float_panels<XT, WT, OT>(const XT*, int64_t, const WT*, OT*, int64_t, int64_t, int64_t, int64_t);
+QK_FLOAT_PARTS(float, float, float)
+QK_FLOAT_PARTS(float, float, c10::BFloat16)
+QK_FLOAT_PARTS(float, c10::BFloat16, float)
+QK_FLOAT_PARTS(float, c10::BFloat16, c10::BFloat16)
+QK_FLOAT_PARTS(c10::BFloat16, float, float)
+QK_FLOAT_PARTS(c10::BFloat16, float, c10::BFloat16)
+QK_FLOAT_PARTS(c10::BFloat16, c10::BFloat16, float)
+QK_FLOAT_PARTS(c10::BFloat16, c10::BFloat16, c10::BFloat16)
+#undef QK_FLOAT_PARTS
+
+}  // namespace parts
 
 // w [N, K] float -> packed: bf16 [ceil(N/64), ceil(K/2), 64, 2]; fp32 [ceil(N/64), K, 64, 1] (zero padded).
 at::Tensor float_pack(const at::Tensor& w_in) {

@@ -24,6 +24,22 @@ template <typename T>
 void a8w8_panels(const void* xu, const float* scales, int64_t M, int64_t Kp, const int8_t* packed, int64_t KG,
                  const float* w_scale, const int32_t* colsum, int64_t N, int64_t p0, int64_t p1, T* y, int64_t ldy);
 
+// ---- float linear (linear.cpp) ----
+// Whether float_linear widens bf16 activations to fp32 before its panels (the AVX2 build; exact either way).
+bool float_linear_widens_bf16();
+// Output panels [p0, p1) of y [M, N] (row stride N) = x [M, Kp] times a float_pack'ed weight, as float_linear.
+template <typename XT, typename WT, typename OT>
+void float_panels(const XT* x, int64_t Kp, const WT* packed, OT* y, int64_t M, int64_t N, int64_t p0, int64_t p1);
+
+// ---- W4A16 (w4a16.cpp) ----
+// Whether the batch-1 table lookup is exact for the fp32 row x [K] (w4a16_linear's check).
+bool w4a16_lut_row(const float* x, int64_t K);
+// Output panels [p0, p1) of y [M, N] (row stride N) for the fp32 rows x [M, K] (columns in the weight's order),
+// as w4a16_linear; lut_zero >= 0 only for M = 1 with an exact row and weight.
+template <typename T>
+void w4a16_panel_range(const float* x, int64_t M, int64_t K, const int32_t* packed, const float* scales,
+                       const float* zeros, int64_t G, int64_t p0, int64_t p1, T* y, int64_t N, float lut_zero);
+
 // ---- norms, RoPE, SwiGLU (norm.cpp) ----
 template <typename T>
 void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps);

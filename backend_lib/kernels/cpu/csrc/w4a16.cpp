@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 #include "common.h"
+#include "parts.h"
 
 namespace qk {
 namespace {
@@ -263,6 +264,32 @@ void w4a16_panels(const W4Args& a, int64_t M, int64_t p0, int64_t p1, T* y, int6
 
 }  // namespace
 
+namespace parts {
+
+bool w4a16_lut_row(const float* x, int64_t K) {
+  uint32_t bad = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    uint32_t u;
+    std::memcpy(&u, x + k, 4);
+    const uint32_t e = (u >> 23) & 0xFFu;
+    bad |= (u & 0xFu) | static_cast<uint32_t>((u & 0x7FFFFFFFu) != 0 && (e < 27 || e > 227));
+  }
+  return bad == 0;
+}
+
+template <typename T>
+void w4a16_panel_range(const float* x, int64_t M, int64_t K, const int32_t* w, const float* scales,
+                       const float* zeros, int64_t G, int64_t p0, int64_t p1, T* y, int64_t N, float lut_zero) {
+  const W4Args a{x, w, scales, zeros, K, (K + kOct - 1) / kOct, G, K / G};
+  w4a16_panels(a, M, p0, p1, y, N, lut_zero);
+}
+template void w4a16_panel_range<float>(const float*, int64_t, int64_t, const int32_t*, const float*, const float*,
+                                       int64_t, int64_t, int64_t, float*, int64_t, float);
+template void w4a16_panel_range<c10::BFloat16>(const float*, int64_t, int64_t, const int32_t*, const float*,
+                                               const float*, int64_t, int64_t, int64_t, c10::BFloat16*, int64_t, float);
+
+}  // namespace parts
+
 // codes uint8 [N, K] (0..15) -> int32 [ceil(N/64), ceil(K/8), 64]: output 64p + i, column 8o + j at bits 4j of
 // word (p, o, i); padding codes are 0.
 at::Tensor w4a16_pack(const at::Tensor& codes) {
@@ -328,16 +355,7 @@ at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& packed, const at:
           for (int64_t k = 0; k < K; ++k) xfp[m * K + k] = to_f<scalar_t>(xp[m * K + k]);
       }
     });
-    if (lut) {
-      uint32_t bad = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        uint32_t u;
-        std::memcpy(&u, xfp + k, 4);
-        const uint32_t e = (u >> 23) & 0xFFu;
-        bad |= (u & 0xFu) | static_cast<uint32_t>((u & 0x7FFFFFFFu) != 0 && (e < 27 || e > 227));
-      }
-      lut = bad == 0;
-    }
+    if (lut) lut = parts::w4a16_lut_row(xfp, K);
     const W4Args a{xfp, packed.data_ptr<int32_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), K, K8, G, K / G};
     scalar_t* yp = y.data_ptr<scalar_t>();
     // Batch 1 takes panels in pairs (one tile of 8 accumulators); a chunk is a work item of parallel_chunks.

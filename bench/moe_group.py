@@ -1,0 +1,161 @@
+"""The MoE group: Qwen3-30B-A3B's shape with fewer layers (the same 128 experts of width 768, 8 per token, the same
+attention and vocabulary), this engine in A8W8 and W4A16 beside llama.cpp's `qwen3moe` in Q8_0 and Q4_0 (its own
+converter and llama-quantize from the bf16 demo checkpoint, its own llama-batched-bench), interleaved round by
+round (A, B, C, D, STREAM, A, B, ...), each figure the median of the rounds.
+
+    python -m bench.moe --group [--layers 4] [--rounds 3] [--batch 1,16] [--prompt-len 128] [--new-tokens 64]
+
+Batch-1 decode is compared with its bandwidth floor: the bytes one decode token reads (each layer's attention
+weights and KV rows, the router, the 8 routed experts, the final norm and the head; the weights in the engine's
+packed form: int8 + fp32 scale and column sum per row, int4 + fp32 scale and zero per group of 128) over a STREAM
+read (bench/step_profile.py) measured in the same rounds. The engine runs the int8 head (`--lm-head-quant int8`;
+the checkpoints keep lm_head in bf16 as the published MoE releases do, llama.cpp's Q8_0 / Q4_0 quantize theirs
+to Q8_0 / Q6_K). Only the ratios of one run mean anything on a shared host.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import llamacpp
+from .run import ROOT, Worker, decode_rate, log
+from .step_profile import stream_read_gbs
+
+SIZE = "30b-a3b"
+PAIRS = (("A8W8", "a8w8", "q8_0"), ("W4A16", "w4a16", "q4_0"))   # engine format, checkpoint, llama.cpp quant
+
+
+def checkpoint_dir(layers: int, fmt: str, size: str = SIZE) -> Path:
+    return ROOT / "demo_checkpoints" / f"qwen3-{size}-l{layers}-{fmt}"
+
+
+def ensure_checkpoints(layers: int, formats=("bf16", "a8w8", "w4a16"), size: str = SIZE) -> dict[str, Path]:
+    """size: 30b-a3b (the bench), tiny-moe (a smoke run of the whole group in a minute)."""
+    out = {}
+    for fmt in formats:
+        path = checkpoint_dir(layers, fmt, size)
+        if not (path / "config.json").is_file():
+            log(f"building the {size} ({layers} layers) {fmt} demo checkpoint")
+            extra = ["--group-size", "128" if size == SIZE else "32"] if fmt == "w4a16" else []
+            subprocess.run(["nice", "-n", "10", sys.executable, "-m", "backend_lib.tools.make_demo_checkpoint",
+                            str(path), "--size", size, "--layers", str(layers), "--format", fmt, "--overwrite", *extra],
+                           cwd=ROOT, check=True)
+        out[fmt] = path
+    return out
+
+
+def _w_bytes(fmt: str, n: int, k: int, group: int = 128) -> int:
+    """Bytes of one [n, k] weight in the engine's packed form."""
+    if fmt == "a8w8":
+        return n * k + 8 * n
+    if fmt == "w4a16":
+        return n * k // 2 + n * (k // group) * 8
+    return 2 * n * k
+
+
+def bytes_per_token(cfg: dict, fmt: str, context: int, head_int8: bool = True, group: int = 128) -> dict[str, int]:
+    """What one batch-1 decode token reads, by part, at `context` tokens in the KV cache (bf16)."""
+    h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    nh, kvh, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    inter, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    e = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+    attn = _w_bytes(fmt, (nh + 2 * kvh) * d, h, group) + _w_bytes(fmt, h, nh * d, group) + 2 * (2 * h + 2 * d)
+    kv = context * kvh * d * 2 * 2
+    router = 2 * e * h
+    experts = k * (_w_bytes(fmt, 2 * inter, h, group) + _w_bytes(fmt, h, inter, group))
+    vocab = cfg["vocab_size"]
+    head = vocab * h + 8 * vocab if head_int8 else 2 * vocab * h
+    return {"attention": layers * attn, "kv": layers * kv, "router": layers * router, "experts": layers * experts,
+            "head": head + 2 * h + 2 * h, "total": layers * (attn + kv + router + experts) + head + 4 * h}
+
+
+def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new_tokens: int,
+              out: str | None = None, size: str = SIZE) -> list[dict]:
+    ck = ensure_checkpoints(layers, size=size)
+    ggufs = llamacpp.installed(ck["bf16"], quants=("q8_0", "q4_0"), need_bf16=False)
+    if ggufs is None and all(llamacpp.binary(t).is_file() for t in llamacpp.TARGETS):
+        ggufs = llamacpp.convert(ck["bf16"], quants=("q8_0", "q4_0"), keep_bf16=False)
+    if ggufs is None:
+        log("llama.cpp is not built (python -m bench.llamacpp build): the engine against its floor only")
+    out_dir = Path(out or ROOT / "bench" / "results" / time.strftime("moe-%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    threads = len(os.sched_getaffinity(0))
+    max_len = str(prompt_len + new_tokens + 16)
+    engine = [sys.executable, "-m", "bench.workers.engine_worker", "--max-model-len", max_len, "--max-num-seqs",
+              str(max(batches)), "--kv-cache-memory", "1GiB", "--lm-head-quant", "int8"]
+    systems: dict = {}
+    for label, fmt, quant in PAIRS:
+        systems[f"engine {label}"] = Worker(f"moe-engine-{fmt}", engine + ["--checkpoint", str(ck[fmt])], out_dir)
+        if ggufs is not None:
+            systems[f"llama.cpp {quant.upper()}"] = llamacpp.LlamaCppSystem(ggufs[quant], threads,
+                                                                             out_dir / "llamacpp.log")
+    decode: dict[tuple[str, int], list[float]] = {}
+    stream: list[float] = []
+    try:
+        for r in range(rounds):
+            for name, w in systems.items():
+                if isinstance(w, Worker):
+                    for b in batches:
+                        res = w.call(op="decode", batch=b, prompt_len=prompt_len, new_tokens=new_tokens)
+                        decode.setdefault((name, b), []).append(
+                            decode_rate(b, new_tokens, res["full_s"], res["prefill_s"]))
+                else:
+                    for row in w.call(op="batched", prompt_len=prompt_len, new_tokens=new_tokens,
+                                      batches=batches)["rows"]:
+                        decode.setdefault((name, row["batch"]), []).append(row["decode_tokens_per_s"])
+            stream.append(stream_read_gbs(threads, gib=1.0, repeats=3))
+            log(f"MoE round {r + 1}: " + ", ".join(f"{n} b{b} {v[-1]:.1f}" for (n, b), v in decode.items())
+                + f", STREAM {stream[-1]:.1f} GB/s")
+        mem = {name: w.call(op="memory") for name, w in systems.items() if isinstance(w, Worker)}
+    finally:
+        for w in systems.values():
+            w.close()
+    cfg = json.loads((ck["a8w8"] / "config.json").read_text())
+    w4cfg = json.loads((ck["w4a16"] / "config.json").read_text())
+    group = w4cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] or cfg["hidden_size"]
+    gbs = statistics.median(stream)
+    rows = []
+    med = {key: statistics.median(v) for key, v in decode.items()}
+    for (name, b), v in med.items():
+        rows.append({"group": "moe", "system": name, "mode": "decode", "batch": b, "prompt_len": prompt_len,
+                     "new_tokens": new_tokens, "layers": layers, "decode_tokens_per_s": v, "runs": decode[(name, b)]})
+    for label, fmt, quant in PAIRS:
+        nb = bytes_per_token(cfg, fmt, prompt_len + new_tokens // 2, group=group)
+        floor = gbs * 1e9 / nb["total"]
+        eng, cpp = f"engine {label}", f"llama.cpp {quant.upper()}"
+        summary = {"group": "moe", "system": eng, "mode": "summary", "format": fmt, "layers": layers,
+                   "stream_gbs": gbs, "bytes_per_token": nb, "floor_tokens_per_s": floor,
+                   "rss_mib": mem.get(eng, {}).get("rss_mib")}
+        for b in batches:
+            if (cpp, b) in med:
+                summary[f"vs_llamacpp_b{b}"] = med[(eng, b)] / med[(cpp, b)]
+        if 1 in batches:
+            summary["vs_floor_b1"] = med[(eng, 1)] / floor
+        rows.append(summary)
+    (out_dir / "results.json").write_text(json.dumps({"rows": rows}, indent=1))
+    print(f"MoE group: {size} shape, {layers} layers, {rounds} rounds interleaved, {threads} threads; "
+          f"STREAM read {gbs:.1f} GB/s (median); shared host: only these ratios mean anything")
+    for row in rows:
+        if row["mode"] == "decode":
+            print(f"  {row['system']:<18} batch {row['batch']:3d}: {row['decode_tokens_per_s']:8.2f} tokens/s")
+    for row in rows:
+        if row["mode"] != "summary":
+            continue
+        nb = row["bytes_per_token"]
+        parts = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in nb.items() if k != "total")
+        line = f"  {row['system']:<18} bytes/token {nb['total'] / 1e6:.1f} MB ({parts}): floor " \
+               f"{row['floor_tokens_per_s']:.1f} tokens/s"
+        if "vs_floor_b1" in row:
+            line += f"; batch 1 = {row['vs_floor_b1']:.2f}x the floor (target >= 0.8)"
+        for b in batches:
+            if f"vs_llamacpp_b{b}" in row:
+                target = 1.15 if b == 1 else 1.5
+                line += f"; batch {b} = {row[f'vs_llamacpp_b{b}']:.2f}x llama.cpp (target >= {target})"
+        print(line)
+    print(f"results in {out_dir}")
+    return rows

@@ -1,0 +1,111 @@
+"""$QWEN3_CPU_ISA (backend_lib/kernels/cpu/build.py): the CPU kernel set built for fewer instructions than the host
+has, so that the AVX2 paths (AVX2 + FMA; AVX2 + AVX-VNNI) are built, run and tested on an AVX-512 host too.
+
+Each build runs in a child process (one kernel library per process): it must load the set of its ISA (its A8W8
+packing layout says which path it compiled), give the reference's A8W8 bits (exact int32 sums on every path: odd
+K, N off the panel, every row-tile size, the int8 extremes), and run a tiny A8W8 demo whose greedy ids are the
+same alone and batched, with the C++ layer loop and with the Python one. (The builds' float sums run over 8 lanes
+instead of 16, so their hidden states are not the AVX-512 build's: what must hold is that each build is exact
+where the kernels are integer and batch invariant everywhere.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backend_lib.kernels.cpu import build
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r'''
+import json, sys, tempfile
+from pathlib import Path
+import torch
+sys.path.insert(0, "tests")
+from helpers import make_engine
+from backend_lib.kernels import get_kernels, reference as ref
+from backend_lib.tools.make_demo_checkpoint import build as build_ckpt
+
+cpu = get_kernels("cpu", "cpu")
+out = {"layout": list(torch.ops.qwen3_cpu.a8w8_pack(torch.zeros(16, 8, dtype=torch.int8)).shape[2:])}
+bad = []
+for K, N in ((1, 9), (7, 37), (9, 16), (1001, 37), (1024, 96)):
+    g = torch.Generator().manual_seed(K + N)
+    x = torch.randn(30, K, generator=g) * 5
+    x[3] = -x[3].abs()
+    w_q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    w_q[0] = -128
+    w_s = torch.rand(N, generator=g) * 0.01
+    p = cpu.a8w8_prepare(w_q, w_s)
+    for dt in (torch.float32, torch.bfloat16):
+        xd = x.to(dt)
+        full = cpu.a8w8_linear(xd, p)
+        if not torch.equal(full, ref.a8w8_linear(xd, w_q, w_s)):
+            bad.append(f"K={K} N={N} {dt}: 30 rows")
+        for m in range(1, 14):
+            if not torch.equal(cpu.a8w8_linear(xd[:m], p), full[:m]):
+                bad.append(f"K={K} N={N} {dt}: {m} rows")
+out["a8w8_mismatches"] = bad
+with tempfile.TemporaryDirectory() as tmp:
+    ck = build_ckpt(Path(tmp) / "a8w8", "tiny", "a8w8", 0)
+    eng = make_engine(ck, dtype="bfloat16", kernels="cpu", max_num_seqs=4, kv_cache_memory="4MiB", max_model_len=256)
+    prompts = [eng.tokenizer.encode("the quick brown fox " * (1 + 3 * i))[: 5 + 17 * i] for i in range(3)]
+    params = eng.make_params({"temperature": 0, "max_tokens": 12, "ignore_eos": True})
+    ids = lambda: [r["output_ids"] for r in eng.generate(prompts, params)]
+    out["batched"] = ids()
+    out["again"] = ids()
+    out["alone"] = [eng.generate([p], params)[0]["output_ids"] for p in prompts]
+    eng.runner.model.use_layer_loop = False
+    out["python_loop"] = ids()
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _host_flags() -> set[str]:
+    return set(build._cpu_flags().split())
+
+
+def test_an_unknown_isa_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("QWEN3_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match="QWEN3_CPU_ISA='avx9000'"):
+        build.cpu_isa()
+    for isa in build.ISA_FLAGS:
+        monkeypatch.setenv("QWEN3_CPU_ISA", isa.upper())
+        assert build.cpu_isa() == isa
+    monkeypatch.delenv("QWEN3_CPU_ISA")
+    assert build.cpu_isa() == "native"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the ISA builds are x86-64 ones")
+def test_each_isa_has_its_own_flags_and_build_key(monkeypatch):
+    sources = sorted(p for p in build.CSRC.iterdir() if p.suffix == ".cpp")
+    keys = set()
+    for isa, extra in build.ISA_FLAGS.items():
+        monkeypatch.setenv("QWEN3_CPU_ISA", isa)
+        flags = build._cflags()
+        assert flags == build._cflags(isa) and "-march=native" in flags and set(extra) <= set(flags)
+        keys.add(build._build_key(sources, flags))
+    assert len(keys) == len(build.ISA_FLAGS)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the ISA builds are x86-64 ones")
+@pytest.mark.parametrize("isa, layout, needs", [("avx2", [16, 2], {"avx2", "fma"}),
+                                                ("avx2vnni", [16, 4], {"avx2", "fma", "avx_vnni"})])
+def test_the_avx2_builds_load_are_exact_and_batch_invariant(isa, layout, needs):
+    if not needs <= _host_flags():
+        pytest.skip(f"this host lacks {sorted(needs - _host_flags())}")
+    env = {**os.environ, "QWEN3_CPU_ISA": isa}
+    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert res["layout"] == layout, f"{isa}: the A8W8 packing of another path was built"
+    assert res["a8w8_mismatches"] == []
+    assert all(len(r) == 12 for r in res["batched"])
+    assert res["alone"] == res["batched"] == res["again"] == res["python_loop"]

@@ -1,0 +1,143 @@
+"""The Triton set's fused MoE (kernels/triton/moe.py, experts.py), through Triton's interpreter on the CPU: the
+pairs sorted by expert and padded to the block, gate/up + SwiGLU and down + router weight as grouped GEMMs, the
+combine in each token's ascending expert order. A8W8 equals the reference and the composed path bit for bit,
+float experts the composed path; a row alone equals its row in any batch; greedy ids through the engine equal
+the reference set's."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"      # before the kernels are defined: they run on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="the triton package is not installed (pip install -e '.[test]')")
+
+from backend_lib.checkpoint import ModelConfig, WeightStore, parse_quantization_config  # noqa: E402
+from backend_lib.kernels import REFERENCE, get_kernels  # noqa: E402
+from backend_lib.kernels.triton import moe  # noqa: E402
+from backend_lib.kernels.triton.experts import PackedExperts  # noqa: E402
+from backend_lib.layers.moe import load_sparse_moe, route  # noqa: E402
+from helpers import make_engine  # noqa: E402
+
+TRI = get_kernels("cpu", "triton")
+
+
+def _block(ckpt, kernels, dtype, layer=0):
+    mc = ModelConfig.from_dir(ckpt)
+    return load_sparse_moe(WeightStore(ckpt), f"model.layers.{layer}.mlp", mc.hidden_size, mc.moe,
+                           parse_quantization_config(mc.quantization_config), dtype, torch.device("cpu"), kernels)
+
+
+def _hidden(t, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, 64, generator=g) * 3).to(dtype)
+
+
+@pytest.mark.parametrize("t,k,e,bm", [(1, 8, 128, 16), (5, 2, 8, 4), (40, 3, 6, 16), (3, 2, 64, 1)])
+def test_align_lays_every_pair_once_in_its_experts_padded_run(t, k, e, bm):
+    g = torch.Generator().manual_seed(t * k + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    sorted_pairs, block_expert, num_padded, perm = moe.align(ids, e, bm)
+    p = t * k
+    assert torch.equal(ids.gather(1, perm), ids.sort(dim=1).values)
+    flat = ids.gather(1, perm).reshape(-1)
+    n = int(num_padded)
+    assert n % bm == 0 and sorted_pairs.shape[0] >= n and sorted_pairs.shape[0] % bm == 0
+    assert sorted_pairs.shape[0] == -(-(p + min(e, p) * (bm - 1)) // bm) * bm     # shapes only: no host read
+    assert bool((sorted_pairs[n:] == p).all())
+    real = sorted_pairs[:n][sorted_pairs[:n] < p].long()
+    assert sorted(real.tolist()) == list(range(p))                             # every pair exactly once
+    for b in range(n // bm):                                                   # a block is one expert's
+        rows = sorted_pairs[b * bm:(b + 1) * bm].long()
+        rows = rows[rows < p]
+        assert len(rows) and bool((flat[rows] == int(block_expert[b])).all())
+    counts = torch.bincount(flat, minlength=e)
+    assert n == int(((counts + bm - 1) // bm * bm).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_a8w8_moe_equals_the_reference_and_the_composed_path_and_is_batch_invariant(moe_a8w8_ckpt, dtype):
+    ref_block, tri_block = _block(moe_a8w8_ckpt, REFERENCE, dtype), _block(moe_a8w8_ckpt, TRI, dtype)
+    assert isinstance(tri_block.moe_weights, PackedExperts) and tri_block.moe_weights.quant
+    x = _hidden(11, dtype)
+    with torch.inference_mode():
+        ids, w = route(ref_block.gate.forward(x), 2, True)
+        fused = TRI.moe_experts(x, ids, w, tri_block.moe_weights)
+        assert torch.equal(fused, REFERENCE.moe_experts(x, ids, w, ref_block.expert_pairs))
+        assert torch.equal(fused, TRI.moe_experts(x, ids, w, tri_block.expert_pairs))       # the composed path
+        solo = torch.cat([TRI.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], tri_block.moe_weights)
+                          for i in range(4)])
+        flipped = TRI.moe_experts(x.flip(0), ids.flip(0), w.flip(0), tri_block.moe_weights).flip(0)
+    assert torch.equal(solo, fused[:4]) and torch.equal(flipped, fused)
+    assert fused.dtype == dtype and fused.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_float_moe_equals_the_composed_path_and_is_batch_invariant(moe_bf16_ckpt, dtype):
+    block = _block(moe_bf16_ckpt, TRI, dtype)
+    assert isinstance(block.moe_weights, PackedExperts) and not block.moe_weights.quant
+    x = _hidden(10, dtype, seed=1)
+    with torch.inference_mode():
+        ids, w = route(block.gate.forward(x), 2, True)
+        fused = TRI.moe_experts(x, ids, w, block.moe_weights)
+        assert torch.equal(fused, TRI.moe_experts(x, ids, w, block.expert_pairs))
+        solo = torch.cat([TRI.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], block.moe_weights)
+                          for i in range(3)])
+        ref = REFERENCE.moe_experts(x, ids, w, _block(moe_bf16_ckpt, REFERENCE, dtype).expert_pairs)
+    assert torch.equal(solo, fused[:3])
+    torch.testing.assert_close(fused, ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+def test_the_experts_are_stacked_once_and_int4_experts_keep_the_composed_path(moe_a8w8_ckpt, ckpts):
+    block = _block(moe_a8w8_ckpt, TRI, torch.bfloat16)
+    packed = block.moe_weights
+    assert packed.w13.shape == (8, 64, 64) and packed.w2.shape == (8, 64, 32) and packed.s13.shape == (8, 64)
+    for e, (gate_up, down) in enumerate(block.expert_pairs):      # views of the stacks: held once
+        assert gate_up.prepared[0].data_ptr() == packed.w13[e].data_ptr()
+        assert down.prepared[0].data_ptr() == packed.w2[e].data_ptr()
+    w4 = _block(ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe"), TRI, torch.bfloat16)
+    assert w4.moe_weights is w4.expert_pairs                     # this set runs W4A16 through the reference
+    x = _hidden(6, torch.bfloat16, seed=2)
+    with torch.inference_mode():
+        batched = w4.forward(x)
+        assert torch.equal(torch.cat([w4.forward(x[i:i + 1]) for i in range(6)]), batched)
+
+
+def test_engine_greedy_with_the_fused_moe_equals_the_reference_set(moe_a8w8_ckpt):
+    """The whole model, A8W8 experts through the fused kernels, two prompts in one batch: the reference set's
+    greedy ids (the attention is the Triton set's own, exact to the reference's ids as the dense model's is;
+    rows alone vs batched are the layer tests above and tests/test_cuda_graphs.py's padded decode)."""
+    ids_of = {}
+    for kernels in ("triton", "reference"):
+        eng = make_engine(moe_a8w8_ckpt, dtype="bfloat16", kernels=kernels)
+        prompts = [eng.tokenizer.encode(p) for p in ("Hello, world!", "介绍一下北京")]
+        params = eng.make_params({"temperature": 0, "max_tokens": 3, "ignore_eos": True})
+        ids_of[kernels] = [r["output_ids"] for r in eng.generate(prompts, params)]
+    assert ids_of["triton"] == ids_of["reference"] and len(ids_of["triton"][0]) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_a8w8_moe_at_ragged_widths_equals_the_reference(dtype):
+    """Hidden and expert widths that are no multiple of the tiles (the K masks, the clamped columns): E = 5
+    experts, k = 3, hidden 40, width 24; some experts get no pair."""
+    from backend_lib.kernels.triton.experts import moe_weights
+    from backend_lib.layers.linear import A8W8Linear
+
+    g = torch.Generator().manual_seed(7)
+    e_n, hid, inter, k = 5, 40, 24, 3
+    weights = [(torch.randint(-128, 128, (2 * inter, hid), generator=g, dtype=torch.int8),
+                torch.rand(2 * inter, generator=g) * 0.02,
+                torch.randint(-128, 128, (hid, inter), generator=g, dtype=torch.int8),
+                torch.rand(hid, generator=g) * 0.02) for _ in range(e_n)]
+    ref = [(A8W8Linear(a, b, REFERENCE), A8W8Linear(c, d, REFERENCE)) for a, b, c, d in weights]
+    packed = moe_weights([(A8W8Linear(a, b, TRI), A8W8Linear(c, d, TRI)) for a, b, c, d in weights])
+    assert isinstance(packed, PackedExperts)
+    x = (torch.randn(6, hid, generator=g) * 2).to(dtype)
+    ids = torch.stack([torch.randperm(e_n - 1, generator=g)[:k] for _ in range(6)])     # expert 4 unused
+    w = torch.softmax(torch.randn(6, k, generator=g), -1).to(dtype)
+    with torch.inference_mode():
+        got = TRI.moe_experts(x, ids, w, packed)
+        assert torch.equal(got, REFERENCE.moe_experts(x, ids, w, ref))
+        assert torch.equal(TRI.moe_experts(x[2:3], ids[2:3], w[2:3], packed), got[2:3])

@@ -1,0 +1,75 @@
+"""EAGLE-3 through the real tritonserver: one server, the same A8W8 checkpoint as two LLM models, `qwen3_eagle`
+with an EAGLE-3 head (tools/make_eagle3_head.py --copy: the hand-built induction head in the published layout,
+whose drafts are accepted where the demo's random weights loop) and `qwen3_plain` without; every stream's ids
+and text are compared between them (greedy and seeded, alone and concurrent, a stop string, an opted-out
+request) and the spec_decode counters show accepted drafts."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from backend_lib.tools.make_eagle3_head import build as build_head
+from helpers import SERVER_ENGINE, collect
+from harness.triton_server import TritonServer, make_repository
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+PROMPTS = ["a b a b a b a b a b a b", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3", "Hello, world!", "介绍一下北京故宫"]
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 40}
+SEEDED = {"temperature": 0.3, "top_k": 50, "seed": 7, "ignore_eos": True, "max_tokens": 40}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, a8w8_ckpt):
+    root = tmp_path_factory.mktemp("eagle3_triton")
+    head = build_head(a8w8_ckpt, root / "head", copy=True)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0}
+    engine = {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt)}
+    repo = make_repository(root / "models", {
+        "qwen3_eagle": {**engine, "speculative_config": json.dumps(spec).replace('"', '\\"')},
+        "qwen3_plain": engine,
+        "qwen3_tokenizer": {"checkpoint": str(a8w8_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]},
+    })
+    server = TritonServer(repo, root / "tritonserver.log").start()
+    yield server
+    server.stop()
+
+
+def _ids(responses):
+    assert responses[-1][2] and responses[-1][0] != "ERROR", responses
+    return [i for _, ids, _ in responses for i in ids]
+
+
+def _text(responses):
+    return "".join(t for t, _, _ in responses)
+
+
+def _both(server, jobs):
+    def one(args):
+        model, (prompt, sp) = args
+        return collect(server.grpc_url, model, prompt=prompt, sampling_parameters=sp)
+    work = [("qwen3_eagle", j) for j in jobs] + [("qwen3_plain", j) for j in jobs]
+    with ThreadPoolExecutor(len(work)) as pool:
+        res = list(pool.map(one, work))
+    return res[:len(jobs)], res[len(jobs):]
+
+
+def test_served_ids_with_an_eagle3_head_equal_speculation_off(server):
+    before = server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_eagle")
+    (alone,), (plain,) = _both(server, [(PROMPTS[0], GREEDY)])
+    assert _ids(alone) == _ids(plain) and len(_ids(alone)) == 40
+    text = _text(plain)
+    stop = text[len(text) * 3 // 4:][:3]
+    jobs = [(p, GREEDY) for p in PROMPTS] + [(p, {**SEEDED, "seed": 7 + i}) for i, p in enumerate(PROMPTS)]
+    jobs += [(PROMPTS[0], {**SEEDED, "speculative": "off"}), (PROMPTS[0], {**GREEDY, "stop": [stop]})]
+    on, off = _both(server, jobs)
+    for a, b in zip(on, off):
+        assert _ids(a) == _ids(b)
+        assert _text(a) == _text(b)
+    assert stop not in _text(on[-1])
+    assert server.wait_until(
+        lambda: server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_eagle") > before, 5)
+    drafted = server.metric("vllm:spec_decode_num_draft_tokens_total", "qwen3_eagle")
+    accepted = server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_eagle")
+    assert 0 < accepted <= drafted
