@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dashboard_helpers import SPEC_PREFIX, dashboard, exported_sample_names, metric_names, queries
-from helpers import SERVER_ENGINE, collect
+from helpers import SERVER_ENGINE, collect, make_peft_adapter
 from harness.triton_server import TritonServer, make_repository
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -22,14 +22,16 @@ SEEDED = {"temperature": 0.3, "top_k": 50, "seed": 7, "ignore_eos": True, "max_t
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, a8w8_ckpt):
+def server(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     root = tmp_path_factory.mktemp("spec_triton")
+    adapter = make_peft_adapter(bf16_ckpt, root / "lora_a", r=8, seed=11, std=0.15)[0]
     engine = {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt)}
+    lora = {"lora_modules": f"a={adapter}"}   # the draft-model and plain models serve one LoRA adapter
     repo = make_repository(root / "models", {
         "qwen3_spec": {**engine, "speculative_config": json.dumps(SPEC).replace('"', '\\"')},
-        "qwen3_draft": {**engine, "speculative_config": json.dumps(
+        "qwen3_draft": {**engine, **lora, "speculative_config": json.dumps(
             {"method": "draft_model", "model": str(a8w8_ckpt), "num_speculative_tokens": 3}).replace('"', '\\"')},
-        "qwen3_plain": engine,
+        "qwen3_plain": {**engine, **lora},
         "qwen3_tokenizer": {"checkpoint": str(a8w8_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]},
     })
     server = TritonServer(repo, root / "tritonserver.log").start()
@@ -114,6 +116,21 @@ def test_served_draft_model_ids_equal_speculation_off(server):
     assert stop not in _text(on[-1])
     assert server.wait_until(
         lambda: server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_draft") > before + 48, 5)
+
+
+def test_served_lora_rows_with_a_draft_model_equal_speculation_off(server):
+    """LoRA rows beside base rows on the draft-model model: the draft runs without the adapter (its drafts are the
+    base model's, mostly rejected on an adapter's row), the ids stay those of the plain model with the adapter."""
+    drafted = server.metric("vllm:spec_decode_num_draft_tokens_total", "qwen3_draft")
+    jobs = [(PROMPTS[0], {**GREEDY, "lora_name": "a"}), (PROMPTS[2], {**SEEDED, "lora_name": "a"}),
+            (PROMPTS[1], GREEDY), (PROMPTS[3], {**GREEDY, "lora_name": "a", "max_tokens": 20})]
+    on, off = _both(server, jobs, "qwen3_draft")
+    for a, b in zip(on, off):
+        assert _ids(a) == _ids(b) and _text(a) == _text(b)
+    base = _both(server, [(PROMPTS[0], GREEDY)], "qwen3_plain")[0][0]
+    assert _ids(base) != _ids(on[0])    # the adapter changes the output: the rows ran with it
+    assert server.wait_until(
+        lambda: server.metric("vllm:spec_decode_num_draft_tokens_total", "qwen3_draft") > drafted, 5)
 
 
 def test_the_dashboards_speculative_decoding_panel_names_exported_counters(server):

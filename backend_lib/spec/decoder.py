@@ -99,6 +99,14 @@ class ProposerContext:
     runner: object = None            # the target's ModelRunner (a method reading the target's hidden states)
 
 
+def check_proposer(cfg: SpeculativeConfig, model_config, max_model_len: int) -> None:
+    """What a method needs of the target, checked before the target is built (errors name the key)."""
+    if cfg.method == "draft_model":
+        from .draft_model import check_draft
+
+        check_draft(cfg.model, model_config, max_model_len)
+
+
 def make_proposer(cfg: SpeculativeConfig, ctx: ProposerContext | None = None) -> Proposer:
     """The configured method's proposer (ctx: what a model-based one needs)."""
     if cfg.method == "ngram":

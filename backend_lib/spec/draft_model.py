@@ -55,8 +55,8 @@ class DraftState:
     registered: int = 0          # pages of `table` recorded in the draft pool's prefix cache
 
 
-def load_draft(path: str, target, max_model_len: int, dtype, device, kernels, lm_head_quant: str):
-    """(ModelConfig, model) of the draft checkpoint, checked against the target; errors name
+def check_draft(path: str, target, max_model_len: int) -> ModelConfig:
+    """The draft checkpoint's ModelConfig, checked against the target's (before anything is loaded); errors name
     speculative_config.model."""
     key = "speculative_config.model"
     try:
@@ -69,8 +69,16 @@ def load_draft(path: str, target, max_model_len: int, dtype, device, kernels, lm
     if mc.max_position_embeddings < max_model_len:
         raise ValueError(f"{key}: the draft serves {mc.max_position_embeddings} positions, fewer than max_model_len "
                          f"{max_model_len}")
+    return mc
+
+
+def load_draft(path: str, target, max_model_len: int, dtype, device, kernels, lm_head_quant: str):
+    """(ModelConfig, model) of the draft checkpoint, checked against the target; errors name
+    speculative_config.model."""
     from ..models import Qwen3ForCausalLM
 
+    key = "speculative_config.model"
+    mc = check_draft(path, target, max_model_len)
     try:
         scheme = parse_quantization_config(mc.quantization_config)
         model = Qwen3ForCausalLM.from_checkpoint(WeightStore(path), mc, scheme, dtype, device, kernels, max_model_len,
