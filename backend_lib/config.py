@@ -81,6 +81,10 @@ class EngineConfig:
                     "lora_roots", "speculative_config"):
             if kwargs.get(key) == "":
                 kwargs.pop(key)
+        if kwargs.get("speculative_config"):   # a draft model's folder, relative to the model's as the checkpoint
+            from .spec.config import resolve_model_path
+
+            kwargs["speculative_config"] = resolve_model_path(kwargs["speculative_config"], base_dir)
         cfg = cls(**kwargs, limits=SamplingLimits(**limits))
         cfg.validate()
         return cfg.resolve_locations(base_dir)
@@ -102,13 +106,6 @@ class EngineConfig:
             from .lora.registry import parse_lora_roots
 
             self.lora_roots = parse_lora_roots(self.lora_roots, base_dir)
-        spec = self.speculative
-        if spec is not None and spec.model is not None:   # an EAGLE-3 head's folder, as the checkpoint's
-            import json
-
-            value = self.speculative_config
-            value = dict(value) if isinstance(value, dict) else json.loads(value)
-            self.speculative_config = {**value, "model": resolve(spec.model, "speculative_config.model", base_dir)}
         return self
 
     @property

@@ -106,3 +106,14 @@ def test_llamacpp_commands_and_parsing(tmp_path):
     md = (tmp_path / "table.md").read_text()
     assert "| engine A8W8 | 40.0 (1.25x) | 512.0 (2.00x) |" in md
     assert "| llama.cpp Q8_0 | 32.0 | 256.0 |" in md
+
+
+def test_spec_break_even_acceptance_solves_the_expected_run_length():
+    """bench.spec --draft: a* solves (1 - a^(k+1)) / (1 - a) = E* (the mean tokens per verification)."""
+    from bench.spec import break_even_acceptance
+
+    for k, a in ((4, 0.3), (4, 0.8), (2, 0.5), (7, 0.05)):
+        e_star = sum(a ** i for i in range(k + 1))
+        assert abs(break_even_acceptance(e_star, k) - a) < 1e-9
+    assert break_even_acceptance(0.9, 4) == 0.0            # speculation pays whatever is accepted
+    assert break_even_acceptance(5.0, 4) == float("inf")   # not even every draft accepted pays

@@ -1,7 +1,8 @@
-"""Speculative decoding through the real tritonserver: one server with the same checkpoint as two LLM models,
-`qwen3_spec` with speculative_config and `qwen3_plain` without; every stream's ids are compared between them
-(greedy and seeded, alone and concurrent, with a grammar, stop strings, n choices, an opted-out request),
-and the spec_decode counters appear on the metrics page."""
+"""Speculative decoding through the real tritonserver: one server with the same checkpoint as three LLM models,
+`qwen3_spec` with an n-gram speculative_config, `qwen3_draft` with a draft model (the checkpoint itself) and
+`qwen3_plain` without; every stream's ids are compared between them (greedy and seeded, alone and concurrent,
+with a grammar, stop strings, n choices, an opted-out request), and the spec_decode counters appear on the
+metrics page."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import SERVER_ENGINE, collect
+from helpers import SERVER_ENGINE, collect, make_peft_adapter
 from harness.triton_server import TritonServer, make_repository
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -20,12 +21,16 @@ SEEDED = {"temperature": 0.3, "top_k": 50, "seed": 7, "ignore_eos": True, "max_t
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, a8w8_ckpt):
+def server(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     root = tmp_path_factory.mktemp("spec_triton")
+    adapter = make_peft_adapter(bf16_ckpt, root / "lora_a", r=8, seed=11, std=0.15)[0]
     engine = {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt)}
+    lora = {"lora_modules": f"a={adapter}"}   # the draft-model and plain models serve one LoRA adapter
     repo = make_repository(root / "models", {
         "qwen3_spec": {**engine, "speculative_config": json.dumps(SPEC).replace('"', '\\"')},
-        "qwen3_plain": engine,
+        "qwen3_draft": {**engine, **lora, "speculative_config": json.dumps(
+            {"method": "draft_model", "model": str(a8w8_ckpt), "num_speculative_tokens": 3}).replace('"', '\\"')},
+        "qwen3_plain": {**engine, **lora},
         "qwen3_tokenizer": {"checkpoint": str(a8w8_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]},
     })
     server = TritonServer(repo, root / "tritonserver.log").start()
@@ -42,12 +47,12 @@ def _text(responses):
     return "".join(t for t, _, _ in responses)
 
 
-def _both(server, jobs):
+def _both(server, jobs, spec_model="qwen3_spec"):
     """Each job (prompt, sampling parameters) on both models, all at once: (spec results, plain results)."""
     def one(args):
         model, (prompt, sp) = args
         return collect(server.grpc_url, model, prompt=prompt, sampling_parameters=sp)
-    work = [("qwen3_spec", j) for j in jobs] + [("qwen3_plain", j) for j in jobs]
+    work = [(spec_model, j) for j in jobs] + [("qwen3_plain", j) for j in jobs]
     with ThreadPoolExecutor(len(work)) as pool:
         res = list(pool.map(one, work))
     return res[:len(jobs)], res[len(jobs):]
@@ -90,3 +95,38 @@ def test_served_grammar_stop_strings_and_n_choices_equal_speculation_off(server)
     assert stop not in _text(on[2])
     # n choices stream interleaved (arrival order differs between two runs): the same ids, 3 x 48 of them
     assert sorted(_ids(on[3])) == sorted(_ids(off[3])) and len(_ids(on[3])) == 3 * 48
+
+
+def test_served_draft_model_ids_equal_speculation_off(server):
+    """method draft_model (the checkpoint drafting for itself, k = 3): greedy and seeded, alone and concurrent,
+    a grammar and a stop string; the draft's acceptance shows on the metrics page."""
+    before = server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_draft")
+    on, off = _both(server, [(PROMPTS[2], GREEDY)], "qwen3_draft")   # alone
+    assert _ids(on[0]) == _ids(off[0]) and len(_ids(on[0])) == 48
+    text = _text(off[0])
+    stop = text[len(text) * 3 // 4:][:3]
+    jobs = [(p, GREEDY) for p in PROMPTS] + [(p, {**SEEDED, "seed": 3 + i}) for i, p in enumerate(PROMPTS)]
+    jobs += [(PROMPTS[3], {"temperature": 0, "max_tokens": 48,
+                           "structured_outputs": {"json": {"type": "array", "items": {"type": "integer"}}}}),
+             (PROMPTS[2], {**GREEDY, "stop": [stop]})]
+    on, off = _both(server, jobs, "qwen3_draft")
+    for a, b in zip(on, off):
+        assert _ids(a) == _ids(b) and _text(a) == _text(b)
+    assert stop not in _text(on[-1])
+    assert server.wait_until(
+        lambda: server.metric("vllm:spec_decode_num_accepted_tokens_total", "qwen3_draft") > before + 48, 5)
+
+
+def test_served_lora_rows_with_a_draft_model_equal_speculation_off(server):
+    """LoRA rows beside base rows on the draft-model model: the draft runs without the adapter (its drafts are the
+    base model's, mostly rejected on an adapter's row), the ids stay those of the plain model with the adapter."""
+    drafted = server.metric("vllm:spec_decode_num_draft_tokens_total", "qwen3_draft")
+    jobs = [(PROMPTS[0], {**GREEDY, "lora_name": "a"}), (PROMPTS[2], {**SEEDED, "lora_name": "a"}),
+            (PROMPTS[1], GREEDY), (PROMPTS[3], {**GREEDY, "lora_name": "a", "max_tokens": 20})]
+    on, off = _both(server, jobs, "qwen3_draft")
+    for a, b in zip(on, off):
+        assert _ids(a) == _ids(b) and _text(a) == _text(b)
+    base = _both(server, [(PROMPTS[0], GREEDY)], "qwen3_plain")[0][0]
+    assert _ids(base) != _ids(on[0])    # the adapter changes the output: the rows ran with it
+    assert server.wait_until(
+        lambda: server.metric("vllm:spec_decode_num_draft_tokens_total", "qwen3_draft") > drafted, 5)

@@ -30,7 +30,7 @@ from ..contract.finish import FinishReason
 from ..sampling.params import SamplingParams, bad_words_token_ids
 from ..sampling.sampler import SampleError
 from ..sampling.structured import GrammarCompiler
-from ..spec.decoder import ProposerContext, SpecDecoder, VerifyRows, make_proposer
+from ..spec.decoder import ProposerContext, SpecDecoder, VerifyRows, check_proposer, make_proposer
 from ..tokenizer import Tokenizer
 from .messages import EngineStats, Request
 from .model_runner import ModelRunner
@@ -79,6 +79,8 @@ class LLMEngine:
         if cfg.max_num_batched_tokens < cfg.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({cfg.max_num_seqs}) so every running sequence can decode each step")
+        if cfg.speculative is not None:   # [spec] a draft checked against the target before either is loaded
+            check_proposer(cfg.speculative, mc, self.max_model_len)
         kernels = get_kernels(self.device, cfg.kernels, cfg.kernel_cache_dir)
         log.info("device %s, dtype %s, kernels %s, %d threads%s", self.device, self.dtype, kernels.name,
                  torch.get_num_threads(), f" on cores {cpu_policy.format_cores(cores)}" if cores else "")

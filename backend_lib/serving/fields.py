@@ -107,7 +107,7 @@ TENSOR_REFUSED: dict[str, str] = {
     "embedding_bias_words": "use logit_bias (token ids) in sampling_parameters",
     "embedding_bias_weights": "use logit_bias (token ids) in sampling_parameters",
     "draft_input_ids": "draft tokens are not taken from clients: speculation is the model's own "
-                       "(speculative_config, n-gram drafts verified exactly; docs/speculative.md)",
+                       "(speculative_config, n-gram or draft-model drafts verified exactly; docs/speculative.md)",
     "draft_logits": "as draft_input_ids (client drafts are not taken)",
     "draft_acceptance_threshold": "as draft_input_ids; acceptance here is exact (a draft is kept iff it is the "
                                   "target's own token)",

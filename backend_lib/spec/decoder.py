@@ -99,10 +99,26 @@ class ProposerContext:
     runner: object = None            # the target's ModelRunner (a method reading the target's hidden states)
 
 
+def check_proposer(cfg: SpeculativeConfig, model_config, max_model_len: int) -> None:
+    """What a method needs of the target, checked before the target is built (errors name the key)."""
+    if cfg.method == "draft_model":
+        from .draft_model import check_draft
+
+        check_draft(cfg.model, model_config, max_model_len)
+    elif cfg.method == "eagle3":
+        from .eagle3 import check_head
+
+        check_head(cfg.model, model_config)
+
+
 def make_proposer(cfg: SpeculativeConfig, ctx: ProposerContext | None = None) -> Proposer:
     """The configured method's proposer (ctx: what a model-based one needs)."""
     if cfg.method == "ngram":
         return NgramMethod(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "draft_model":
+        from .draft_model import DraftModelMethod
+
+        return DraftModelMethod(cfg.num_speculative_tokens, cfg.model, ctx)
     if cfg.method == "eagle3":   # an EAGLE-3 head over the target's hidden states (spec/eagle3.py)
         from .eagle3 import Eagle3Method
 

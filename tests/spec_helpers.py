@@ -1,0 +1,27 @@
+"""Support code of the speculative-decoding tests (not a test module): run prompts on two engines and compare
+the ids, requiring that speculation did something."""
+from __future__ import annotations
+
+GREEDY = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
+# a low temperature: the random demo weights then fall into loops often enough for drafts to be accepted
+SEEDED = {"temperature": 0.3, "top_p": 0.95, "top_k": 50, "seed": 11, "max_tokens": 48, "ignore_eos": True}
+PROMPTS = ["Hello, world!", "a b a b a b a b a b a b", "介绍一下北京故宫", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3"]
+
+
+def spec_ids(engine, prompts, datas):
+    """(ids, finish reason, text) of each prompt run together on engine (continuous batching)."""
+    datas = datas if isinstance(datas, list) else [datas] * len(prompts)
+    res = engine.generate(prompts, [engine.make_params(d) for d in datas])
+    return [(r["output_ids"], r["finish_reason"], r["text"]) for r in res]
+
+
+def compare_spec(off, on, prompts, datas, min_accepted=1, min_drafts=1):
+    """The same prompts on `off` (no speculation) and `on`: equal results, and at least `min_drafts` draft
+    tokens proposed and `min_accepted` accepted on `on` meanwhile (a test that drafted nothing tested nothing)."""
+    drafted, accepted = on.stats.spec_num_draft_tokens, on.stats.spec_num_accepted_tokens
+    expected = spec_ids(off, prompts, datas)
+    got = spec_ids(on, prompts, datas)
+    assert got == expected
+    assert on.stats.spec_num_draft_tokens - drafted >= min_drafts, "no draft was proposed"
+    assert on.stats.spec_num_accepted_tokens - accepted >= min_accepted, "no draft was accepted"
+    return got
