@@ -109,13 +109,6 @@ class EngineConfig:
             from .lora.registry import parse_lora_roots
 
             self.lora_roots = parse_lora_roots(self.lora_roots, base_dir)
-        spec = self.speculative
-        if spec is not None and spec.model is not None:   # an EAGLE-3 head's folder, as the checkpoint's
-            import json
-
-            value = self.speculative_config
-            value = dict(value) if isinstance(value, dict) else json.loads(value)
-            self.speculative_config = {**value, "model": resolve(spec.model, "speculative_config.model", base_dir)}
         return self
 
     @property

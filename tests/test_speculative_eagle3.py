@@ -137,8 +137,8 @@ def test_the_engine_refuses_at_load_naming_the_key(heads, bf16_ckpt):
         make_engine(bf16_ckpt, speculative_config=spec(heads["root"] / "missing"))
     for value, key in (({"method": "eagle3", "num_speculative_tokens": 3}, "speculative_config.model"),
                        ({"method": "eagle3", "model": "", "num_speculative_tokens": 3}, "speculative_config.model"),
-                       ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
-                        "speculative_config.prompt_lookup_max"),
+                       ({"method": "eagle3", "model": str(heads["random"]), "num_speculative_tokens": 3,
+                         "prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max"),
                        ({"method": "eagle3", "model": "x", "num_speculative_tokens": 0},
                         "speculative_config.num_speculative_tokens")):
         with pytest.raises(ValueError, match=key):

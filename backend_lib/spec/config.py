@@ -5,16 +5,14 @@
                   value: { string_value: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' } }
 
     '{"method": "draft_model", "model": "/models/qwen3-0.6b", "num_speculative_tokens": 4}'
-    '{"method": "eagle3", "model": "/models/qwen3-0.6b-eagle3", "num_speculative_tokens": 3}'
 
-Methods: `ngram` (prompt lookup), `draft_model` (a smaller Qwen3 checkpoint with the target's vocabulary,
+Methods: `ngram` (prompt lookup) and `draft_model` (a smaller Qwen3 checkpoint with the target's vocabulary,
 in any format the engine loads: `model` is its local folder, relative to the model's folder in a served
-config; as in vLLM, a `model` without a `method` means draft_model) and `eagle3` (an EAGLE-3 head over the
-target's hidden states, `model` its folder: spec/eagle3.py). The other methods vLLM knows (eagle, medusa,
-mtp, suffix) are refused by name. Our own keys, beside vLLM's: min_acceptance and acceptance_window (the
-per-request auto-disable) and vLLM's disable_by_batch_size. What needs the target (the draft's vocabulary
-against the target's, its positions; a head's hidden size) is checked when the engine loads the draft
-(spec/draft_model.py, spec/eagle3.py), with errors naming speculative_config.model too.
+config; as in vLLM, a `model` without a `method` means draft_model), and `eagle3` (an EAGLE-3 head: `model` is
+its folder, spec/eagle3.py). The other methods vLLM knows (eagle, medusa, mtp, suffix) are refused by name. Our own keys, beside vLLM's: min_acceptance and
+acceptance_window (the per-request auto-disable) and vLLM's disable_by_batch_size. What needs the target
+(the draft's vocabulary against the target's, its positions) is checked when the engine loads the draft
+(spec/draft_model.py), with errors naming speculative_config.model too.
 """
 from __future__ import annotations
 
@@ -42,7 +40,7 @@ class SpeculativeConfig:
     min_acceptance: float = 0.25
     acceptance_window: int = 16
     disable_by_batch_size: int | None = None   # vLLM's: no drafts in a step with this many running requests
-    model: str | None = None       # draft_model: the draft checkpoint's folder; eagle3: the head's
+    model: str | None = None       # draft_model: the draft checkpoint's folder
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -96,10 +94,10 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
                          f"{MAX_SPECULATIVE_TOKENS})")
     k = _int("num_speculative_tokens", value["num_speculative_tokens"], 1, MAX_SPECULATIVE_TOKENS)
     if method in MODEL_METHODS:
+        model = check_model_folder(model, method)
         for key in NGRAM_KEYS:
             if key in value:
                 raise ValueError(f"speculative_config.{key}: only method ngram looks up n-grams (this is {method})")
-        model = check_model_folder(model, method)
     hi = value.get("prompt_lookup_max")
     lo = value.get("prompt_lookup_min")
     # vLLM: either one given sets the other (min defaults to max and max to min); neither: 2..4 here
@@ -126,9 +124,8 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
 def check_model_folder(model, method: str) -> str:
     """A method's `model`: a local checkpoint folder (with its config.json)."""
     if not isinstance(model, str) or not model.strip():
-        raise ValueError(f"speculative_config.model: method {method} needs the "
-                         f"{'EAGLE-3 head' if method == 'eagle3' else 'draft checkpoint'}'s folder, got "
-                         f"{model!r}")
+        what = "EAGLE-3 head's" if method == "eagle3" else "draft checkpoint's"
+        raise ValueError(f"speculative_config.model: method {method} needs the {what} folder, got {model!r}")
     path = os.path.expanduser(model)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"speculative_config.model: {model!r} is not a checkpoint folder (no config.json there)")

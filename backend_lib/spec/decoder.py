@@ -105,6 +105,10 @@ def check_proposer(cfg: SpeculativeConfig, model_config, max_model_len: int) -> 
         from .draft_model import check_draft
 
         check_draft(cfg.model, model_config, max_model_len)
+    elif cfg.method == "eagle3":
+        from .eagle3 import check_head
+
+        check_head(cfg.model, model_config)
 
 
 def make_proposer(cfg: SpeculativeConfig, ctx: ProposerContext | None = None) -> Proposer:

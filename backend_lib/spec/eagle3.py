@@ -277,6 +277,17 @@ def load_eagle3_head(folder: str | Path, target, dtype: torch.dtype, device: tor
     from ..checkpoint import CheckpointError, WeightStore
 
     folder = Path(folder)
+    cfg, aux = check_head(folder, target)
+    try:
+        store = WeightStore(folder)
+    except CheckpointError as exc:
+        raise _err(folder, str(exc)) from None
+    return _load(folder, cfg, aux, store, target, dtype, device, embed, kernels)
+
+
+def check_head(folder: str | Path, target) -> tuple[Eagle3Config, tuple[int, ...]]:
+    """The head's config.json against the target's ModelConfig (before either is loaded): (config, aux layers)."""
+    folder = Path(folder)
     cfg = Eagle3Config.from_dir(folder)
     if cfg.target_hidden_size != target.hidden_size:
         raise _err(folder, f"config.json target_hidden_size: {cfg.target_hidden_size} (hidden_size when absent) is "
@@ -284,11 +295,12 @@ def load_eagle3_head(folder: str | Path, target, dtype: torch.dtype, device: tor
     if cfg.vocab_size != target.vocab_size:
         raise _err(folder, f"config.json vocab_size: {cfg.vocab_size} is not the target's vocab_size "
                            f"{target.vocab_size}")
-    aux = cfg.aux_layers(target.num_layers, folder)
-    try:
-        store = WeightStore(folder)
-    except CheckpointError as exc:
-        raise _err(folder, str(exc)) from None
+    return cfg, cfg.aux_layers(target.num_layers, folder)
+
+
+def _load(folder, cfg, aux, store, target, dtype, device, embed, kernels) -> Eagle3Head:
+    from ..checkpoint import CheckpointError
+
     hid, H, KV, d, inter = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     p = cfg.layer_prefix
     if not store.has("embed_tokens.weight") and (hid != target.hidden_size or embed is None):
