@@ -32,12 +32,11 @@
 // unrolling) never changes a result: the int32 sum (minus 128 * sum(w_n) on the VNNI paths), and the fp32
 // epilogue after it, are the same bits on every path, in every batch.
 //
-// Batch-1 streaming (the decode GEMVs): a single x row leaves the core little arithmetic to hide the weight's
-// memory latency behind, and on ymm the out-of-order window covers few cache lines ahead. The ymm tiles therefore
-// prefetch the panel stream kPrefetch bytes ahead (a prefetch retires at once, so the lines in flight no longer
-// depend on how many instructions fit in the window; past a panel's end it reaches into the next panel, which is
-// the next one read), and a single row runs two chains of sums per output vector (odd and even groups) so the
-// accumulation latency does not bound the loop.
+// Batch 1 (the decode GEMVs): one x row gives a weight load one vpdpbusd, so the VNNI ymm tile runs two chains of
+// sums per output vector (odd and even groups, added at the end: exact) and the accumulation latency does not bound
+// the loop. (Software prefetch of the panel stream was tried on the ymm paths and is not used: in interleaved
+// single-thread runs on the shared AVX-512 host it was within the neighbours' noise, and a prefetch on the dense KV
+// cache stream had made the AVX2 VM's decode slower.)
 #include "parts.h"
 #include "vec.h"
 
@@ -72,12 +71,6 @@ constexpr int32_t kOffset = 0;   // activations stored as signed int16
 using qx_t = int16_t;
 #endif
 constexpr int kMaxRows = 6;      // x rows per register tile (6 x 4 zmm or 6 x 2 ymm accumulators)
-#if defined(QK_A8W8_VNNI256) || defined(QK_A8W8_AVX2)
-#ifndef QK_A8W8_PREFETCH
-#define QK_A8W8_PREFETCH 1024
-#endif
-constexpr int64_t kPrefetch = QK_A8W8_PREFETCH;   // bytes ahead in the panel stream (a multiple of 64)
-#endif
 
 // The vector width of the quantization loop and its store of 16 / 8 rounded lanes in [-128, 127] as qx_t: it
 // follows the activation layout (VNNI: uint8 q + 128, on 16 lanes; AVX-VNNI: the same on 8; AVX2: int16, on 8).
@@ -140,55 +133,26 @@ inline float quantize_row(const T* x, int64_t K, int64_t Kp, qx_t* q) {
 // The AVX2 register tile: MB x rows against a 16-row panel ([KG][16][2]) of int8 weights, sign-extended per
 // k-pair, or of int16 weights already widened (widen_panel): with many x rows (prefill) a panel is widened
 // once per call instead of once per 6-row tile, which takes the two vpmovsxbw out of a loop of 12 vpmaddwd
-// + 12 vpaddd. Integer sums: the same int32 results either way. The int8 panels are streamed from memory:
-// one prefetch per cache line (two k-pairs) kPrefetch bytes ahead; one x row keeps a second set of sums for
-// the odd k-pairs (added at the end: exact).
+// + 12 vpaddd. Integer sums: the same int32 results either way.
 template <int MB, typename WT>
 inline void panel_tile_avx2(const int16_t* xu, int64_t ldx, const WT* panel, int64_t KG, int32_t* out) {
-  constexpr bool kStream = std::is_same_v<WT, int8_t>;
-  auto weights = [&](int64_t g, __m256i& w0, __m256i& w1) {
-    if constexpr (kStream) {
+  __m256i acc[MB][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < KG; ++g) {
+    __m256i w0, w1;
+    if constexpr (std::is_same_v<WT, int8_t>) {
       w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + g * 32)));
       w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + g * 32 + 16)));
     } else {
       w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 32));
       w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 32 + 16));
     }
-  };
-  auto pair = [&](int i, int64_t g) {
-    int32_t xv;
-    std::memcpy(&xv, xu + i * ldx + g * 2, 4);
-    return _mm256_set1_epi32(xv);
-  };
-  __m256i acc[MB][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-  int64_t g = 0;
-  if constexpr (kStream && MB == 1) {
-    __m256i odd0 = _mm256_setzero_si256(), odd1 = _mm256_setzero_si256();
-    for (; g + 2 <= KG; g += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(panel + g * 32 + kPrefetch), _MM_HINT_T0);
-      __m256i w0, w1, v0, v1;
-      weights(g, w0, w1);
-      weights(g + 1, v0, v1);
-      const __m256i x0 = pair(0, g), x1 = pair(0, g + 1);
-      acc[0][0] = _mm256_add_epi32(acc[0][0], _mm256_madd_epi16(x0, w0));
-      acc[0][1] = _mm256_add_epi32(acc[0][1], _mm256_madd_epi16(x0, w1));
-      odd0 = _mm256_add_epi32(odd0, _mm256_madd_epi16(x1, v0));
-      odd1 = _mm256_add_epi32(odd1, _mm256_madd_epi16(x1, v1));
-    }
-    acc[0][0] = _mm256_add_epi32(acc[0][0], odd0);
-    acc[0][1] = _mm256_add_epi32(acc[0][1], odd1);
-  }
-  for (; g < KG; ++g) {
-    if constexpr (kStream) {
-      if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + g * 32 + kPrefetch), _MM_HINT_T0);
-    }
-    __m256i w0, w1;
-    weights(g, w0, w1);
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
-      const __m256i xb = pair(i, g);
+      int32_t xv;
+      std::memcpy(&xv, xu + i * ldx + g * 2, 4);
+      const __m256i xb = _mm256_set1_epi32(xv);
       acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(xb, w0));
       acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(xb, w1));
     }
@@ -203,8 +167,8 @@ inline void panel_tile_avx2(const int16_t* xu, int64_t ldx, const WT* panel, int
 
 #if defined(QK_A8W8_VNNI256)
 // The AVX-VNNI register tile: MB x rows (q + 128 bytes, a 4-byte group broadcast) against a 16-row panel
-// ([KG][16][4]: one cache line per group, prefetched kPrefetch bytes ahead); one x row keeps a second set of sums
-// for the odd groups (added at the end: exact).
+// ([KG][16][4]: one cache line per group); one x row keeps a second set of sums for the odd groups (added at the
+// end: exact).
 template <int MB>
 inline void panel_tile_vnni256(const uint8_t* xu, int64_t ldx, const int8_t* panel, int64_t KG, int32_t* out) {
   auto w = [&](int64_t g, int j) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 64 + j * 32)); };
@@ -213,7 +177,6 @@ inline void panel_tile_vnni256(const uint8_t* xu, int64_t ldx, const int8_t* pan
     std::memcpy(&xv, xu + i * ldx + g * 4, 4);
     return _mm256_set1_epi32(xv);
   };
-  auto ahead = [&](int64_t g) { _mm_prefetch(reinterpret_cast<const char*>(panel + g * 64 + kPrefetch), _MM_HINT_T0); };
   __m256i acc[MB][2];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
@@ -221,8 +184,6 @@ inline void panel_tile_vnni256(const uint8_t* xu, int64_t ldx, const int8_t* pan
   if constexpr (MB == 1) {
     __m256i odd0 = _mm256_setzero_si256(), odd1 = _mm256_setzero_si256();
     for (; g + 2 <= KG; g += 2) {
-      ahead(g);
-      ahead(g + 1);
       const __m256i x0 = group(0, g), x1 = group(0, g + 1);
       acc[0][0] = _mm256_dpbusd_avx_epi32(acc[0][0], x0, w(g, 0));
       acc[0][1] = _mm256_dpbusd_avx_epi32(acc[0][1], x0, w(g, 1));
@@ -233,7 +194,6 @@ inline void panel_tile_vnni256(const uint8_t* xu, int64_t ldx, const int8_t* pan
     acc[0][1] = _mm256_add_epi32(acc[0][1], odd1);
   }
   for (; g < KG; ++g) {
-    ahead(g);
     const __m256i w0 = w(g, 0), w1 = w(g, 1);
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {

@@ -39,11 +39,6 @@ template <> inline void bf16_pairs<F32x8>(const uint16_t* p, __m256& even, __m25
   odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// Bytes ahead of the k-pair being read that an AVX2 single-row pass prefetches (its 4 cache lines per k-pair): the
-// lm_head GEMV of a decode step is the step's largest read, and one x row on ymm leaves the out-of-order window
-// few lines ahead of the stream; a prefetch retires at once. Prefetching never changes a result.
-constexpr int64_t kStreamAhead = 2048;
-
 // bf16 panel, fp32 (or bf16 without the BF16 extension) x: split each k-pair into two fp32 vectors.
 template <class V, int MB, int NJ, typename XT>
 inline void panel_bf16_fma(const XT* x, int64_t ldx, const c10::BFloat16* panel, int64_t KG, float* out, int j0) {
@@ -56,11 +51,6 @@ inline void panel_bf16_fma(const XT* x, int64_t ldx, const c10::BFloat16* panel,
     for (int j = 0; j < NJ; ++j) acc[i][j] = V::zero();
   for (int64_t g = 0; g < KG; ++g) {
     const uint16_t* p = reinterpret_cast<const uint16_t*>(panel) + g * 128 + j0 * 2 * W;
-    if constexpr (W == 8 && MB == 1) {   // AVX2, one x row: the panel's one pass, streamed (see kStreamAhead)
-#pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kStreamAhead + 64 * l, _MM_HINT_T0);
-    }
     R we[NJ], wo[NJ];
 #pragma GCC unroll 8
     for (int j = 0; j < NJ; ++j) bf16_pairs<V>(p + j * 2 * W, we[j], wo[j]);
