@@ -301,6 +301,47 @@ def test_tritonserver_streams_tp2_ids_equal_to_tp1_and_a_killed_rank_fails_clean
     assert not set(_rank_processes()) - before
 
 
+@pytest.mark.slow
+@pytest.mark.server
+def test_tritonserver_streams_moe_tp2_with_experts_split_ids_equal_to_tp1(tmp_path, moe_a8w8_ckpt):
+    """A Qwen3-MoE A8W8 model at tensor_parallel_size 2 (experts split over the ranks, EP = 2) through tritonserver:
+    greedy and seeded streams, alone and two at once, give the ids the in-process TP = 1 engine gives; no rank
+    process is left after the server stops."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import GREEDY, PROMPT, SERVER_ENGINE, collect, make_engine
+
+    from harness.triton_server import TritonServer, make_repository
+
+    eng = make_engine(moe_a8w8_ckpt, **{k: int(v) for k, v in SERVER_ENGINE.items() if k != "dtype" and v.isdigit()},
+                      dtype="bfloat16")
+    greedy = {**GREEDY["sampling_parameters"], "max_tokens": 12}
+    seeded = {"temperature": 0.9, "seed": 5, "ignore_eos": True, "max_tokens": 12}
+    want = [eng.generate([eng.tokenizer.encode(p)], eng.make_params(sp))[0]["output_ids"]
+            for p, sp in ((PROMPT, greedy), (PROMPT, seeded), ("Hello", greedy))]
+    del eng
+    before = set(_rank_processes())
+    repo = make_repository(tmp_path / "models", {
+        "qwen3_moe_tp": {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(moe_a8w8_ckpt),
+                         "tensor_parallel_size": "2", "num_threads": "1"}})
+    server = TritonServer(repo, tmp_path / "tritonserver.log").start()
+    try:
+        ids = lambda rs: [i for _, got, _ in rs for i in got]  # noqa: E731
+        run = lambda job: collect(server.grpc_url, "qwen3_moe_tp", prompt=job[0], sampling_parameters=job[1])  # noqa: E731
+        assert ids(run((PROMPT, greedy))) == want[0]
+        assert ids(run((PROMPT, seeded))) == want[1]
+        with ThreadPoolExecutor(2) as pool:   # two at once: a batch of two rows across the split experts
+            both = list(pool.map(run, [(PROMPT, seeded), ("Hello", greedy)]))
+        assert [ids(r) for r in both] == want[1:]
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
+    while set(_rank_processes()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(_rank_processes()) - before
+
+
 @pytest.mark.parametrize("k", [7, 1023, 1024, 3000])
 def test_row_parallel_a8w8_sums_exactly_through_the_kernel_sets_gemm(k):
     """One rank's share: the kernel set's A8W8 GEMM over marked slabs gives the int32 sums the reference gets,
