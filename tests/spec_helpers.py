@@ -25,3 +25,30 @@ def compare_spec(off, on, prompts, datas, min_accepted=1, min_drafts=1):
     assert on.stats.spec_num_draft_tokens - drafted >= min_drafts, "no draft was proposed"
     assert on.stats.spec_num_accepted_tokens - accepted >= min_accepted, "no draft was accepted"
     return got
+
+
+# ----- through tritonserver (the served comparisons) -----------------------------------------------------------
+def served_ids(responses):
+    """The ids of one stream collected by helpers.collect, which must have ended without an error."""
+    assert responses[-1][2] and responses[-1][0] != "ERROR", responses
+    return [i for _, ids, _ in responses for i in ids]
+
+
+def served_text(responses):
+    return "".join(t for t, _, _ in responses)
+
+
+def served_both(server, jobs, spec_model, plain_model="qwen3_plain"):
+    """Each job (prompt, sampling parameters) on both models, all at once: (spec results, plain results)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import collect
+
+    def one(args):
+        model, (prompt, sp) = args
+        return collect(server.grpc_url, model, prompt=prompt, sampling_parameters=sp)
+    work = [(spec_model, j) for j in jobs] + [(plain_model, j) for j in jobs]
+    with ThreadPoolExecutor(len(work)) as pool:
+        res = list(pool.map(one, work))
+    return res[:len(jobs)], res[len(jobs):]
+

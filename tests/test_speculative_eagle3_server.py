@@ -6,12 +6,12 @@ request) and the spec_decode counters show accepted drafts."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from backend_lib.tools.make_eagle3_head import build as build_head
-from helpers import SERVER_ENGINE, collect, make_peft_adapter
+from spec_helpers import served_both, served_ids, served_text
+from helpers import SERVER_ENGINE, make_peft_adapter
 from harness.triton_server import TritonServer, make_repository
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -38,23 +38,11 @@ def server(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     server.stop()
 
 
-def _ids(responses):
-    assert responses[-1][2] and responses[-1][0] != "ERROR", responses
-    return [i for _, ids, _ in responses for i in ids]
+_ids, _text = served_ids, served_text
 
 
-def _text(responses):
-    return "".join(t for t, _, _ in responses)
-
-
-def _both(server, jobs):
-    def one(args):
-        model, (prompt, sp) = args
-        return collect(server.grpc_url, model, prompt=prompt, sampling_parameters=sp)
-    work = [("qwen3_eagle", j) for j in jobs] + [("qwen3_plain", j) for j in jobs]
-    with ThreadPoolExecutor(len(work)) as pool:
-        res = list(pool.map(one, work))
-    return res[:len(jobs)], res[len(jobs):]
+def _both(server, jobs, spec_model="qwen3_eagle"):
+    return served_both(server, jobs, spec_model)
 
 
 def test_served_ids_with_an_eagle3_head_equal_speculation_off(server):

@@ -6,11 +6,11 @@ metrics page."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from dashboard_helpers import SPEC_PREFIX, dashboard, exported_sample_names, metric_names, queries
+from spec_helpers import served_both, served_ids, served_text
 from helpers import SERVER_ENGINE, collect, make_peft_adapter
 from harness.triton_server import TritonServer, make_repository
 
@@ -39,24 +39,11 @@ def server(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     server.stop()
 
 
-def _ids(responses):
-    assert responses[-1][2] and responses[-1][0] != "ERROR", responses
-    return [i for _, ids, _ in responses for i in ids]
-
-
-def _text(responses):
-    return "".join(t for t, _, _ in responses)
+_ids, _text = served_ids, served_text
 
 
 def _both(server, jobs, spec_model="qwen3_spec"):
-    """Each job (prompt, sampling parameters) on both models, all at once: (spec results, plain results)."""
-    def one(args):
-        model, (prompt, sp) = args
-        return collect(server.grpc_url, model, prompt=prompt, sampling_parameters=sp)
-    work = [(spec_model, j) for j in jobs] + [("qwen3_plain", j) for j in jobs]
-    with ThreadPoolExecutor(len(work)) as pool:
-        res = list(pool.map(one, work))
-    return res[:len(jobs)], res[len(jobs):]
+    return served_both(server, jobs, spec_model)
 
 
 def test_served_ids_equal_speculation_off_greedy_seeded_alone_and_concurrent(server):

@@ -257,12 +257,21 @@ def _rank_processes() -> list[int]:
     return pids
 
 
+def _assert_no_rank_left(before: set, seconds: float = 10) -> None:
+    """No rank process beyond `before` is alive within `seconds` (the server stopped, its workers with it)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while set(_rank_processes()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(_rank_processes()) - before
+
+
 @pytest.mark.slow
 @pytest.mark.server
 def test_tritonserver_streams_tp2_ids_equal_to_tp1_and_a_killed_rank_fails_cleanly(tmp_path, a8w8_ckpt):
     import os
     import signal
-    import time
 
     from helpers import GREEDY, PROMPT, SERVER_ENGINE, collect, make_engine
 
@@ -295,10 +304,7 @@ def test_tritonserver_streams_tp2_ids_equal_to_tp1_and_a_killed_rank_fails_clean
         assert res[-1][0] == "ERROR" and "tensor parallel rank 1 exited" in str(res[-1][1]), res
     finally:
         server.stop()
-    deadline = time.monotonic() + 10
-    while set(_rank_processes()) - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not set(_rank_processes()) - before
+    _assert_no_rank_left(before)
 
 
 @pytest.mark.slow
@@ -307,7 +313,6 @@ def test_tritonserver_streams_moe_tp2_with_experts_split_ids_equal_to_tp1(tmp_pa
     """A Qwen3-MoE A8W8 model at tensor_parallel_size 2 (experts split over the ranks, EP = 2) through tritonserver:
     greedy and seeded streams, alone and two at once, give the ids the in-process TP = 1 engine gives; no rank
     process is left after the server stops."""
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     from helpers import GREEDY, PROMPT, SERVER_ENGINE, collect, make_engine
@@ -336,10 +341,7 @@ def test_tritonserver_streams_moe_tp2_with_experts_split_ids_equal_to_tp1(tmp_pa
         assert [ids(r) for r in both] == want[1:]
     finally:
         server.stop()
-    deadline = time.monotonic() + 10
-    while set(_rank_processes()) - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not set(_rank_processes()) - before
+    _assert_no_rank_left(before)
 
 
 @pytest.mark.parametrize("k", [7, 1023, 1024, 3000])
