@@ -24,7 +24,8 @@ def free_port() -> int:
 def make_repository(dest: Path, models: dict[str, dict[str, str]]) -> Path:
     """Copies model_repository/<name> for each model, with config.pbtxt parameters replaced.
 
-    An override "_source": "qwen3_a8w8" copies that model under the new name instead.
+    An override "_source": "qwen3_a8w8" copies that model under the new name instead. Values are written as pbtxt
+    strings (quotes and backslashes escaped), so a JSON parameter (speculative_config) is passed as json.dumps gives it.
     """
     dest.mkdir(parents=True, exist_ok=True)
     for name, overrides in models.items():
@@ -35,10 +36,12 @@ def make_repository(dest: Path, models: dict[str, dict[str, str]]) -> Path:
         cfg = dest / name / "config.pbtxt"
         text = cfg.read_text().replace(f'name: "{source}"', f'name: "{name}"')
         for key, value in overrides.items():
+            # a pbtxt string: quotes and backslashes escaped (a JSON value passes as it is)
+            quoted = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
             pattern = rf'(parameters \{{ key: "{key}", value: \{{ string_value: )"[^"]*"'
-            text, n = re.subn(pattern, rf'\1"{value}"', text)
+            text, n = re.subn(pattern, lambda m: m.group(1) + quoted, text)
             if n == 0:
-                text += f'parameters {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
+                text += f'parameters {{ key: "{key}", value: {{ string_value: {quoted} }} }}\n'
         cfg.write_text(text)
     return dest
 

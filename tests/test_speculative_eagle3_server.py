@@ -29,7 +29,7 @@ def server(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0}
     engine = {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt)}
     repo = make_repository(root / "models", {
-        "qwen3_eagle": {**engine, **lora, "speculative_config": json.dumps(spec).replace('"', '\\"')},
+        "qwen3_eagle": {**engine, **lora, "speculative_config": json.dumps(spec)},
         "qwen3_plain": {**engine, **lora},
         "qwen3_tokenizer": {"checkpoint": str(a8w8_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]},
     })

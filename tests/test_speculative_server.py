@@ -28,9 +28,9 @@ def server(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     engine = {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt)}
     lora = {"lora_modules": f"a={adapter}"}   # the draft-model and plain models serve one LoRA adapter
     repo = make_repository(root / "models", {
-        "qwen3_spec": {**engine, "speculative_config": json.dumps(SPEC).replace('"', '\\"')},
+        "qwen3_spec": {**engine, "speculative_config": json.dumps(SPEC)},
         "qwen3_draft": {**engine, **lora, "speculative_config": json.dumps(
-            {"method": "draft_model", "model": str(a8w8_ckpt), "num_speculative_tokens": 3}).replace('"', '\\"')},
+            {"method": "draft_model", "model": str(a8w8_ckpt), "num_speculative_tokens": 3})},
         "qwen3_plain": {**engine, **lora},
         "qwen3_tokenizer": {"checkpoint": str(a8w8_ckpt), "max_model_len": SERVER_ENGINE["max_model_len"]},
     })
