@@ -333,7 +333,8 @@ def test_tritonserver_streams_moe_tp2_with_experts_split_ids_equal_to_tp1(tmp_pa
     server = TritonServer(repo, tmp_path / "tritonserver.log").start()
     try:
         ids = lambda rs: [i for _, got, _ in rs for i in got]  # noqa: E731
-        run = lambda job: collect(server.grpc_url, "qwen3_moe_tp", prompt=job[0], sampling_parameters=job[1])  # noqa: E731
+        def run(job):
+            return collect(server.grpc_url, "qwen3_moe_tp", prompt=job[0], sampling_parameters=job[1])
         assert ids(run((PROMPT, greedy))) == want[0]
         assert ids(run((PROMPT, seeded))) == want[1]
         with ThreadPoolExecutor(2) as pool:   # two at once: a batch of two rows across the split experts
