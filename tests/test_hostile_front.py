@@ -343,15 +343,15 @@ def test_a_low_priority_request_beside_a_flood_of_high_priority_ones_finishes_wi
 
 
 def test_prompt_scoring_takes_its_share_of_a_step_and_a_short_request_behind_it_goes_first(priority_front):
-    """A scoring request (4 prompts of 400 tokens, prompt_logprobs 5: 1,600 rows of full-vocabulary logits, 100 steps
-    at its share of 16 rows) sent first, a 3-token greedy request right behind it: the short one is scheduled in the
-    step's other 48 tokens and finishes first, with its solo text; the scored logprobs are the bits of the same
-    request scored alone."""
+    """A scoring request (8 prompts of 1,000 tokens, prompt_logprobs 1: 8,000 rows of full-vocabulary logits, 500
+    steps at its share of 16 rows: long beside the short request's own ~0.35 s through the front) sent first, a
+    3-token greedy request right behind it: the short one is scheduled in the step's other 48 tokens and finishes
+    first, with its solo text; the scored logprobs are the bits of the same request scored alone."""
     front = priority_front
     post = lambda b: requests.post(f"{front.url}/v1/completions", json=b, timeout=600)  # noqa: E731
     short = {**GREEDY, "model": "qwen3_share", "max_tokens": 3}
-    scoring = {"model": "qwen3_share", "prompt": [[9707 + i] * 400 for i in range(4)], "max_tokens": 1,
-               "temperature": 0, "prompt_logprobs": 5}
+    scoring = {"model": "qwen3_share", "prompt": [[9707 + i] * 1000 for i in range(8)], "max_tokens": 1,
+               "temperature": 0, "prompt_logprobs": 1}
     solo_short = post(short).json()["choices"][0]["text"]
     solo_scores = [c["prompt_logprobs"] for c in post(scoring).json()["choices"]]
     finished: list[str] = []
