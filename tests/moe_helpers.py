@@ -157,3 +157,14 @@ def load_model(folder, dtype=torch.float32, kernels=None):
     mc = ModelConfig.from_dir(folder)
     return Qwen3ForCausalLM.from_checkpoint(WeightStore(folder), mc, parse_quantization_config(mc.quantization_config),
                                             dtype, torch.device("cpu"), kernels or get_kernels("cpu"), 256)
+
+
+def moe_block(ckpt: Path, kernels, dtype: torch.dtype, layer: int = 0):
+    """The sparse MLP of `layer` of a MoE checkpoint, loaded on the CPU for `kernels` (the kernel sets' tests)."""
+    from backend_lib.checkpoint import ModelConfig, WeightStore, parse_quantization_config
+    from backend_lib.layers.moe import load_sparse_moe
+
+    mc = ModelConfig.from_dir(ckpt)
+    return load_sparse_moe(WeightStore(ckpt), f"model.layers.{layer}.mlp", mc.hidden_size, mc.moe,
+                           parse_quantization_config(mc.quantization_config), dtype, torch.device("cpu"), kernels)
+

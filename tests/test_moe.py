@@ -10,7 +10,7 @@ import torch
 from backend_lib.checkpoint import CheckpointError, ModelConfig, WeightStore, parse_quantization_config
 from helpers import make_engine
 from moe_helpers import (copy_without_weights, dequantized_copy, emulate_int8_activations, fused_expert_copy,
-                         hf_greedy, load_model, read_all, sharded_copy, write_single)
+                         hf_greedy, load_model, moe_block, read_all, sharded_copy, write_single)
 
 PROMPTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog. " * 4, "介绍一下北京故宫",
            "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"]
@@ -275,15 +275,6 @@ def test_all_sparse_model_needs_no_dense_width(moe_bf16_ckpt):
 
 # ----- the kernel sets' MoE slot: exact, batch invariant -------------------------------------------------------
 
-def _moe_block(ckpt, kernels, dtype, layer=0):
-    from backend_lib.layers.moe import load_sparse_moe
-
-    mc = ModelConfig.from_dir(ckpt)
-    scheme = parse_quantization_config(mc.quantization_config)
-    return load_sparse_moe(WeightStore(ckpt), f"model.layers.{layer}.mlp", mc.hidden_size, mc.moe, scheme, dtype,
-                           torch.device("cpu"), kernels)
-
-
 def _hidden(t=37, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(t, 64, generator=g).to(dtype)
@@ -295,7 +286,7 @@ def test_moe_rows_equal_their_solo_runs_bit_for_bit(ckpts, moe_bf16_ckpt, moe_a8
     from backend_lib.kernels import get_kernels
 
     ckpt = {"bf16": moe_bf16_ckpt, "a8w8": moe_a8w8_ckpt}.get(fmt) or ckpts.get(f"tiny-moe-{fmt}", fmt, "tiny-moe")
-    block = _moe_block(ckpt, get_kernels("cpu", kernel_set), dtype)
+    block = moe_block(ckpt, get_kernels("cpu", kernel_set), dtype)
     x = _hidden(dtype=dtype)
     with torch.inference_mode():
         batched = block.forward(x)
@@ -312,8 +303,8 @@ def test_cpu_a8w8_moe_equals_the_reference_bit_for_bit(moe_a8w8_ckpt, dtype):
     from backend_lib.layers.moe import route
 
     x = _hidden(dtype=dtype)
-    ref_block = _moe_block(moe_a8w8_ckpt, REFERENCE, dtype)
-    cpu_block = _moe_block(moe_a8w8_ckpt, get_kernels("cpu", "cpu"), dtype)
+    ref_block = moe_block(moe_a8w8_ckpt, REFERENCE, dtype)
+    cpu_block = moe_block(moe_a8w8_ckpt, get_kernels("cpu", "cpu"), dtype)
     with torch.inference_mode():
         # one routing for both (the router is a float GEMM, whose summation order is the set's own)
         ids, w = route(ref_block.gate.forward(x), 2, True)
@@ -338,7 +329,7 @@ def test_cpu_native_moe_op_equals_the_composed_slot_bit_for_bit(ckpts, moe_bf16_
     else:
         ckpt = {"bf16": moe_bf16_ckpt, "a8w8": moe_a8w8_ckpt}.get(fmt) or ckpts.get("tiny-moe-w4a16", "w4a16",
                                                                                    "tiny-moe")
-    block = _moe_block(ckpt, cpu, dtype)
+    block = moe_block(ckpt, cpu, dtype)
     assert build_table(block.expert_pairs) is not None   # the native op takes this layer
     x = _hidden(dtype=dtype)
     with torch.inference_mode():
@@ -361,7 +352,7 @@ def test_cpu_native_moe_op_refuses_expert_ids_out_of_range(moe_a8w8_ckpt):
     from backend_lib.kernels import get_kernels
 
     cpu = get_kernels("cpu", "cpu")
-    block = _moe_block(moe_a8w8_ckpt, cpu, torch.bfloat16)
+    block = moe_block(moe_a8w8_ckpt, cpu, torch.bfloat16)
     x = _hidden(t=2, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="expert id 8 out of range"):
         cpu.moe_experts(x, torch.tensor([[0, 8], [1, 2]]), torch.ones(2, 2, dtype=torch.bfloat16),
@@ -377,7 +368,7 @@ def test_moe_combine_is_transformers_expert_loop(moe_bf16_ckpt):
     from backend_lib.kernels import REFERENCE
     from backend_lib.layers.moe import route
 
-    block = _moe_block(moe_bf16_ckpt, REFERENCE, torch.float32)
+    block = moe_block(moe_bf16_ckpt, REFERENCE, torch.float32)
     experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=64, num_experts=8, moe_intermediate_size=32))
     experts.gate_up_proj.data = torch.stack([gu.prepared for gu, _ in block.expert_pairs])
     experts.down_proj.data = torch.stack([d.prepared for _, d in block.expert_pairs])
@@ -444,8 +435,8 @@ def test_triton_set_a8w8_moe_is_the_reference_and_batch_invariant(moe_a8w8_ckpt)
 
     tri = get_kernels("cpu", "triton")
     x = _hidden(t=9, dtype=torch.bfloat16)
-    ref_block = _moe_block(moe_a8w8_ckpt, REFERENCE, torch.bfloat16)
-    tri_block = _moe_block(moe_a8w8_ckpt, tri, torch.bfloat16)
+    ref_block = moe_block(moe_a8w8_ckpt, REFERENCE, torch.bfloat16)
+    tri_block = moe_block(moe_a8w8_ckpt, tri, torch.bfloat16)
     with torch.inference_mode():
         ids, w = route(ref_block.gate.forward(x), 2, True)
         got = tri.moe_experts(x, ids, w, tri_block.expert_pairs)

@@ -8,20 +8,14 @@ import pytest
 import torch
 
 import npu_emulation
-from backend_lib.checkpoint import ModelConfig, WeightStore, parse_quantization_config
 from backend_lib.kernels import REFERENCE
 from backend_lib.kernels.npu import kernel_set
 from backend_lib.kernels.npu.moe import NpuExperts
-from backend_lib.layers.moe import load_sparse_moe, route
+from backend_lib.layers.moe import route
+from moe_helpers import moe_block
 
 NPU = kernel_set(npu_emulation)
 DTYPES = [torch.bfloat16, torch.float16]
-
-
-def _block(ckpt, kernels, dtype, layer=0):
-    mc = ModelConfig.from_dir(ckpt)
-    return load_sparse_moe(WeightStore(ckpt), f"model.layers.{layer}.mlp", mc.hidden_size, mc.moe,
-                           parse_quantization_config(mc.quantization_config), dtype, torch.device("cpu"), kernels)
 
 
 def _hidden(t, dtype, seed=0):
@@ -47,7 +41,7 @@ def _documented(x, ids, weights, ref_pairs):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_npu_a8w8_moe_is_the_documented_composition_of_the_reference_gemms(moe_a8w8_ckpt, dtype):
-    ref_block, npu_block = _block(moe_a8w8_ckpt, REFERENCE, dtype), _block(moe_a8w8_ckpt, NPU, dtype)
+    ref_block, npu_block = moe_block(moe_a8w8_ckpt, REFERENCE, dtype), moe_block(moe_a8w8_ckpt, NPU, dtype)
     assert isinstance(npu_block.moe_weights, NpuExperts) and npu_block.moe_weights.quant
     x = _hidden(13, dtype)
     with torch.inference_mode():
@@ -66,7 +60,7 @@ def test_npu_a8w8_moe_is_the_documented_composition_of_the_reference_gemms(moe_a
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_npu_float_moe_matches_the_reference_and_is_batch_invariant(moe_bf16_ckpt, dtype):
-    ref_block, npu_block = _block(moe_bf16_ckpt, REFERENCE, dtype), _block(moe_bf16_ckpt, NPU, dtype)
+    ref_block, npu_block = moe_block(moe_bf16_ckpt, REFERENCE, dtype), moe_block(moe_bf16_ckpt, NPU, dtype)
     assert isinstance(npu_block.moe_weights, NpuExperts) and not npu_block.moe_weights.quant
     assert npu_block.moe_weights.w13.shape == (8, 64, 64)            # npu_grouped_matmul's [E, K, N]
     x = _hidden(9, dtype, seed=1)
@@ -95,7 +89,7 @@ def test_the_npu_router_is_transformers_router_over_the_gating_op():
 
 
 def test_the_npu_moe_layer_stacks_experts_once_and_its_rows_equal_their_solo_runs(moe_a8w8_ckpt):
-    block = _block(moe_a8w8_ckpt, NPU, torch.bfloat16)
+    block = moe_block(moe_a8w8_ckpt, NPU, torch.bfloat16)
     packed = block.moe_weights
     assert packed.w13.shape == (8, 64, 64) and packed.w2.shape == (8, 32, 64) and packed.s2.shape == (8, 64)
     for e, (gate_up, down) in enumerate(block.expert_pairs):

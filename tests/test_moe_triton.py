@@ -14,20 +14,14 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="the triton package is not installed (pip install -e '.[test]')")
 
-from backend_lib.checkpoint import ModelConfig, WeightStore, parse_quantization_config  # noqa: E402
 from backend_lib.kernels import REFERENCE, get_kernels  # noqa: E402
 from backend_lib.kernels.triton import moe  # noqa: E402
 from backend_lib.kernels.triton.experts import PackedExperts  # noqa: E402
-from backend_lib.layers.moe import load_sparse_moe, route  # noqa: E402
+from backend_lib.layers.moe import route  # noqa: E402
 from helpers import make_engine  # noqa: E402
+from moe_helpers import moe_block  # noqa: E402
 
 TRI = get_kernels("cpu", "triton")
-
-
-def _block(ckpt, kernels, dtype, layer=0):
-    mc = ModelConfig.from_dir(ckpt)
-    return load_sparse_moe(WeightStore(ckpt), f"model.layers.{layer}.mlp", mc.hidden_size, mc.moe,
-                           parse_quantization_config(mc.quantization_config), dtype, torch.device("cpu"), kernels)
 
 
 def _hidden(t, dtype, seed=0):
@@ -59,7 +53,7 @@ def test_align_lays_every_pair_once_in_its_experts_padded_run(t, k, e, bm):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_a8w8_moe_equals_the_reference_and_the_composed_path_and_is_batch_invariant(moe_a8w8_ckpt, dtype):
-    ref_block, tri_block = _block(moe_a8w8_ckpt, REFERENCE, dtype), _block(moe_a8w8_ckpt, TRI, dtype)
+    ref_block, tri_block = moe_block(moe_a8w8_ckpt, REFERENCE, dtype), moe_block(moe_a8w8_ckpt, TRI, dtype)
     assert isinstance(tri_block.moe_weights, PackedExperts) and tri_block.moe_weights.quant
     x = _hidden(11, dtype)
     with torch.inference_mode():
@@ -76,7 +70,7 @@ def test_fused_a8w8_moe_equals_the_reference_and_the_composed_path_and_is_batch_
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_float_moe_equals_the_composed_path_and_is_batch_invariant(moe_bf16_ckpt, dtype):
-    block = _block(moe_bf16_ckpt, TRI, dtype)
+    block = moe_block(moe_bf16_ckpt, TRI, dtype)
     assert isinstance(block.moe_weights, PackedExperts) and not block.moe_weights.quant
     x = _hidden(10, dtype, seed=1)
     with torch.inference_mode():
@@ -85,19 +79,19 @@ def test_fused_float_moe_equals_the_composed_path_and_is_batch_invariant(moe_bf1
         assert torch.equal(fused, TRI.moe_experts(x, ids, w, block.expert_pairs))
         solo = torch.cat([TRI.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], block.moe_weights)
                           for i in range(3)])
-        ref = REFERENCE.moe_experts(x, ids, w, _block(moe_bf16_ckpt, REFERENCE, dtype).expert_pairs)
+        ref = REFERENCE.moe_experts(x, ids, w, moe_block(moe_bf16_ckpt, REFERENCE, dtype).expert_pairs)
     assert torch.equal(solo, fused[:3])
     torch.testing.assert_close(fused, ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
 def test_the_experts_are_stacked_once_and_int4_experts_keep_the_composed_path(moe_a8w8_ckpt, ckpts):
-    block = _block(moe_a8w8_ckpt, TRI, torch.bfloat16)
+    block = moe_block(moe_a8w8_ckpt, TRI, torch.bfloat16)
     packed = block.moe_weights
     assert packed.w13.shape == (8, 64, 64) and packed.w2.shape == (8, 64, 32) and packed.s13.shape == (8, 64)
     for e, (gate_up, down) in enumerate(block.expert_pairs):      # views of the stacks: held once
         assert gate_up.prepared[0].data_ptr() == packed.w13[e].data_ptr()
         assert down.prepared[0].data_ptr() == packed.w2[e].data_ptr()
-    w4 = _block(ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe"), TRI, torch.bfloat16)
+    w4 = moe_block(ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe"), TRI, torch.bfloat16)
     assert w4.moe_weights is w4.expert_pairs                     # this set runs W4A16 through the reference
     x = _hidden(6, torch.bfloat16, seed=2)
     with torch.inference_mode():
