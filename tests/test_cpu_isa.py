@@ -2,7 +2,7 @@
 has, so that the AVX2 paths (AVX2 + FMA; AVX2 + AVX-VNNI) are built, run and tested on an AVX-512 host too.
 
 Each build runs in a child process (one kernel library per process): it must load the set of its ISA (its A8W8
-packing layout says which path it compiled), give the reference's A8W8 bits (exact int32 sums on every path: odd
+packing layout and whether it reads the column sums say which path it compiled), give the reference's A8W8 bits (exact int32 sums on every path: odd
 K, N off the panel, every row-tile size, the int8 extremes), and run a tiny A8W8 demo whose greedy ids are the
 same alone and batched, with the C++ layer loop and with the Python one. (The builds' float sums run over 8 lanes
 instead of 16, so their hidden states are not the AVX-512 build's: what must hold is that each build is exact
@@ -34,6 +34,12 @@ from backend_lib.tools.make_demo_checkpoint import build as build_ckpt
 
 cpu = get_kernels("cpu", "cpu")
 out = {"layout": list(torch.ops.qwen3_cpu.a8w8_pack(torch.zeros(16, 8, dtype=torch.int8)).shape[2:])}
+# which path was built: the VNNI paths offset the activations by +128 and subtract 128 * colsum, so a wrong colsum
+# changes their output; the AVX2 path's signed activations never read it
+_w = torch.randint(-128, 128, (16, 8), dtype=torch.int8)
+_p = cpu.a8w8_prepare(_w, torch.ones(16))
+_x = torch.randn(2, 8)
+out["reads_colsum"] = not torch.equal(cpu.a8w8_linear(_x, _p), cpu.a8w8_linear(_x, (_p[0], _p[1], torch.zeros_like(_p[2]))))
 bad = []
 for K, N in ((1, 9), (7, 37), (9, 16), (1001, 37), (1024, 96)):
     g = torch.Generator().manual_seed(K + N)
@@ -95,9 +101,9 @@ def test_each_isa_has_its_own_flags_and_build_key(monkeypatch):
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the ISA builds are x86-64 ones")
-@pytest.mark.parametrize("isa, layout, needs", [("avx2", [16, 2], {"avx2", "fma"}),
-                                                ("avx2vnni", [16, 4], {"avx2", "fma", "avx_vnni"})])
-def test_the_avx2_builds_load_are_exact_and_batch_invariant(isa, layout, needs):
+@pytest.mark.parametrize("isa, reads_colsum, needs", [("avx2", False, {"avx2", "fma"}),
+                                                      ("avx2vnni", True, {"avx2", "fma", "avx_vnni"})])
+def test_the_avx2_builds_load_are_exact_and_batch_invariant(isa, reads_colsum, needs):
     if not needs <= _host_flags():
         pytest.skip(f"this host lacks {sorted(needs - _host_flags())}")
     env = {**os.environ, "QWEN3_CPU_ISA": isa}
@@ -105,7 +111,8 @@ def test_the_avx2_builds_load_are_exact_and_batch_invariant(isa, layout, needs):
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    assert res["layout"] == layout, f"{isa}: the A8W8 packing of another path was built"
+    assert res["layout"] == [16, 4], f"{isa}: the A8W8 packing of another path was built (zmm: 64-row panels)"
+    assert res["reads_colsum"] is reads_colsum, f"{isa}: the A8W8 code of another path was built"
     assert res["a8w8_mismatches"] == []
     assert all(len(r) == 12 for r in res["batched"])
     assert res["alone"] == res["batched"] == res["again"] == res["python_loop"]

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from ..kv_cache.layout import blocked_kv_shapes
 
 
@@ -61,6 +63,15 @@ class Kernels:
     # (router logits [T, E] in the model dtype, top_k, norm_topk_prob) -> (ids int64 [T, k], weights [T, k] in
     # the logits' dtype) with transformers' semantics (layers/moe.py's route, the default when None)
     moe_route: Callable | None = None
+    # (shape, dtype) -> a zero tensor for a large buffer this set streams every step (the KV pools), on this set's
+    #  device; the CPU set's is on transparent huge pages (csrc/memory.cpp); None: torch.zeros on the device
+    stream_zeros: Callable | None = None
+
+    def zeros(self, shape, dtype, device):
+        """A zero tensor for a buffer streamed every step (KV pools): the set's stream_zeros, else torch.zeros."""
+        if self.stream_zeros is not None and torch.device(device).type == "cpu":
+            return self.stream_zeros(list(shape), dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def pack_experts(self, pairs):
         return self.moe_weights(pairs) if self.moe_weights is not None else pairs

@@ -17,8 +17,8 @@ class DenseKVCache:
         self.kernels = kernels
         self.content_key = f"dense:{dtype}"   # nothing random: seed is not used
         k_shape, v_shape = kernels.kv_shapes(num_pages, page_size, num_kv_heads, head_dim)   # the set's layout
-        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [kernels.zeros(k_shape, dtype, device) for _ in range(num_layers)]   # huge pages on the CPU
+        self.v = [kernels.zeros(v_shape, dtype, device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

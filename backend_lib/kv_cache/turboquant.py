@@ -33,10 +33,10 @@ class TurboQuantKVCache:
         k_codes = (num_pages, num_kv_heads, page_size // kw, head_dim // 2, kw)
         v_codes = (num_pages, num_kv_heads, page_size, head_dim // 2)
         scales = (num_pages, num_kv_heads, page_size)
-        self.k_codes = [torch.zeros(k_codes, dtype=torch.uint8, device=device) for _ in range(num_layers)]
-        self.v_codes = [torch.zeros(v_codes, dtype=torch.uint8, device=device) for _ in range(num_layers)]
-        self.k_scales = [torch.zeros(scales, dtype=torch.float32, device=device) for _ in range(num_layers)]
-        self.v_scales = [torch.zeros(scales, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.k_codes = [kernels.zeros(k_codes, torch.uint8, device) for _ in range(num_layers)]
+        self.v_codes = [kernels.zeros(v_codes, torch.uint8, device) for _ in range(num_layers)]
+        self.k_scales = [kernels.zeros(scales, torch.float32, device) for _ in range(num_layers)]
+        self.v_scales = [kernels.zeros(scales, torch.float32, device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -68,6 +68,7 @@ def load(cache_dir=None) -> Kernels | None:
         tq_write=ops.tq_write,
         tq_paged_attention=ops.tq_paged_attention,
         moe=lambda x, ids, weights, experts: cpu_moe(this[0], x, ids, weights, experts),
+        stream_zeros=ops.stream_zeros,
     )
     this.append(kernels)
     return kernels

@@ -17,26 +17,32 @@
 // per group), the 256-bit vpdpbusd (u8 x s8, four products summed into each int32 lane, no saturation) with the
 // same +128 offset and colsum correction.
 //
-// Otherwise (AVX2, and the portable fallback): panels of 16 output rows; for every pair of k-values,
-// 16 rows x 2 bytes (32 bytes, one sequential stream). Weights stay int8 in memory and are
-// sign-extended to int16 in registers (one vpmovsxbw per 8 rows, shared by up to 6 x rows);
-// activations are stored as int16 and a k-pair is broadcast, so one vpmaddwd gives 8 rows
-// x[2g] w[2g] + x[2g+1] w[2g+1] as int32. That is exact for the whole int8 range (|sum| <= 2 * 128 * 128,
-// where vpmaddubsw would saturate int16 with the +128 offset), needs no offset and no weight-range
-// assumption, and costs the same multiplier throughput per k as the vpsignb + vpmaddubsw + vpmaddwd
-// sequence.
+// Otherwise (AVX2 without VNNI, and the portable fallback): the AVX-VNNI layout (16-row panels of 4-byte groups, one
+// cache line per group) with signed int8 activations (no offset). vpmaddubsw multiplies unsigned by signed bytes and
+// adds the pairs into int16 with saturation, so each product takes its sign from the activation: |w| (vpabsb, in
+// [0, 128] as an unsigned byte, -128 included) times sign(w) * q (vpsignb, |q| <= 127), then vpmaddwd by ones adds the
+// two int16 pair sums of a group into its int32 lane. No pair can saturate: |q w| <= 127 * 128 = 16,256, a pair
+// <= 32,512 < 32,767. |q| <= 127 holds for every finite row (s_t = max|x_t| / 127 maps the largest |x| to 127);
+// q = -128 comes only from a non-finite row (its outputs are non-finite whatever the sums). Per 32 weight bytes: 5
+// vector instructions (vpabsb with the load folded, vpsignb, vpmaddubsw, vpmaddwd, vpaddd; the |w| shared by every
+// x row of the tile), where the vpmaddwd path this replaced needed two vpmovsxbw, two vpmaddwd and two vpaddd: on
+// the 2-core AVX2 VM (AMD EPYC, huge pages, one thread, a standalone loop over 224 MB of 4 MB matrices) 11.8-12.4
+// GB/s against 9.4-10.1, the plain read of the same bytes 12.1-12.7.
 //
-// Exactness: every path sums products of integers into int32 with no saturating step (vpmaddwd: int16 x int16
-// pairs, |q w| <= 128 * 128; vpdpbusd: (q + 128) in [0, 255] times w in [-128, 127], under 2^15 each), so for any
+// Exactness: every path sums products of integers into int32 with no saturating step (vpmaddubsw: int16 pair sums
+// <= 32,512, then vpmaddwd by ones; vpdpbusd: (q + 128) in [0, 255] times w in [-128, 127], under 2^15 each), so for any
 // K below 2^16 no sum can leave int32, and the order of the sums (one or two chains per output vector, any
 // unrolling) never changes a result: the int32 sum (minus 128 * sum(w_n) on the VNNI paths), and the fp32
 // epilogue after it, are the same bits on every path, in every batch.
 //
 // Batch 1 (the decode GEMVs): one x row gives a weight load one vpdpbusd, so the VNNI ymm tile runs two chains of
 // sums per output vector (odd and even groups, added at the end: exact) and the accumulation latency does not bound
-// the loop. (Software prefetch of the panel stream was tried on the ymm paths and is not used: in interleaved
-// single-thread runs on the shared AVX-512 host it was within the neighbours' noise, and a prefetch on the dense KV
-// cache stream had made the AVX2 VM's decode slower.)
+// the loop. The AVX2 batch-1 tile prefetches its stream 1 KiB ahead, every line (on the 2-core AVX2 VM, huge pages,
+// the standalone loop above, alternated: 19.4-19.8 against 17.6-17.7 GB/s at one thread, 30.3-30.8 against
+// 27.8-29.1 at two; 4 KiB ahead was slower, 16.2-16.3; one line in two, tried earlier, slower too; the op itself
+// over the 0.6B demo's shapes x 8 layers, one thread: 18.1-18.6 GB/s against 14.7-15.8 without, 17.4 at 2 KiB). The VNNI ymm
+// tile does not (on the shared AVX-512 host it was within the neighbours' noise; no AVX-VNNI host measured since).
+#include "ops.h"
 #include "parts.h"
 #include "vec.h"
 
@@ -51,7 +57,7 @@ namespace {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
 #define QK_A8W8_VNNI256 1   // 16-row panels of 4-byte groups, vpdpbusd on ymm (AVX-VNNI)
 #elif defined(__AVX2__) && defined(__FMA__)
-#define QK_A8W8_AVX2 1      // 16-row panels of k-pairs, vpmaddwd
+#define QK_A8W8_AVX2 1      // 16-row panels of 4-byte groups, vpmaddubsw on |w| and sign(w) * q
 #endif
 
 #if defined(QK_A8W8_ZMM)
@@ -66,14 +72,14 @@ constexpr int32_t kOffset = 128; // activations stored as q + 128 (unsigned byte
 using qx_t = uint8_t;
 #else
 constexpr int64_t kPanel = 16;   // output rows per panel (2 ymm x 8 int32 lanes)
-constexpr int64_t kGroup = 2;    // k-values per weight group (one vpmaddwd lane)
-constexpr int32_t kOffset = 0;   // activations stored as signed int16
-using qx_t = int16_t;
+constexpr int64_t kGroup = 4;    // k-values per weight group (one int32 lane: vpmaddubsw, then vpmaddwd by ones)
+constexpr int32_t kOffset = 0;   // activations stored as signed int8
+using qx_t = int8_t;
 #endif
 constexpr int kMaxRows = 6;      // x rows per register tile (6 x 4 zmm or 6 x 2 ymm accumulators)
 
 // The vector width of the quantization loop and its store of 16 / 8 rounded lanes in [-128, 127] as qx_t: it
-// follows the activation layout (VNNI: uint8 q + 128, on 16 lanes; AVX-VNNI: the same on 8; AVX2: int16, on 8).
+// follows the activation layout (VNNI: uint8 q + 128, on 16 lanes; AVX-VNNI: the same on 8; AVX2: int8 q, on 8).
 #if defined(QK_A8W8_ZMM)
 #define QK_A8W8_QLANES 1
 using QV = F32x16;
@@ -93,8 +99,9 @@ inline void store_q(qx_t* q, __m256 v) {
 #define QK_A8W8_QLANES 1
 using QV = F32x8;
 inline void store_q(qx_t* q, __m256 v) {
-  const __m256i iv = _mm256_cvtps_epi32(v);   // in [-128, 127]: the signed pack below is exact
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_packs_epi32(_mm256_castsi256_si128(iv), _mm256_extracti128_si256(iv, 1)));
+  const __m256i iv = _mm256_cvtps_epi32(v);   // in [-128, 127]: the signed packs below are exact
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(iv), _mm256_extracti128_si256(iv, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(q), _mm_packs_epi16(w, w));
 }
 #endif
 
@@ -130,31 +137,51 @@ inline float quantize_row(const T* x, int64_t K, int64_t Kp, qx_t* q) {
 }
 
 #if defined(QK_A8W8_AVX2)
-// The AVX2 register tile: MB x rows against a 16-row panel ([KG][16][2]) of int8 weights, sign-extended per
-// k-pair, or of int16 weights already widened (widen_panel): with many x rows (prefill) a panel is widened
-// once per call instead of once per 6-row tile, which takes the two vpmovsxbw out of a loop of 12 vpmaddwd
-// + 12 vpaddd. Integer sums: the same int32 results either way.
-template <int MB, typename WT>
-inline void panel_tile_avx2(const int16_t* xu, int64_t ldx, const WT* panel, int64_t KG, int32_t* out) {
+// The AVX2 register tile: MB x rows (signed q, a 4-byte group broadcast) against a 16-row panel ([KG][16][4]); |w| of
+// each weight vector computed once and shared by the MB rows; one x row keeps a second set of sums for the odd
+// groups (added at the end: exact).
+constexpr int64_t kPrefetch = 1024;   // bytes ahead of the batch-1 weight stream
+template <int MB>
+inline void panel_tile_avx2(const int8_t* xu, int64_t ldx, const int8_t* panel, int64_t KG, int32_t* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto w = [&](int64_t g, int j) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 64 + j * 32)); };
+  auto group = [&](int i, int64_t g) {
+    int32_t xv;
+    std::memcpy(&xv, xu + i * ldx + g * 4, 4);
+    return _mm256_set1_epi32(xv);
+  };
+  // sum of the group's 4 products per int32 lane: |w| * (sign(w) * q), pairs in int16 (no saturation, see above)
+  auto dot = [&](__m256i acc, __m256i wabs, __m256i wv, __m256i xb) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xb, wv)), ones));
+  };
   __m256i acc[MB][2];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-  for (int64_t g = 0; g < KG; ++g) {
-    __m256i w0, w1;
-    if constexpr (std::is_same_v<WT, int8_t>) {
-      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + g * 32)));
-      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + g * 32 + 16)));
-    } else {
-      w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 32));
-      w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + g * 32 + 16));
+  int64_t g = 0;
+  if constexpr (MB == 1) {
+    __m256i odd0 = _mm256_setzero_si256(), odd1 = _mm256_setzero_si256();
+    for (; g + 2 <= KG; g += 2) {
+      // the stream 1 KiB ahead, both lines of the two groups (see the note at the top)
+      _mm_prefetch(reinterpret_cast<const char*>(panel + g * 64 + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(panel + g * 64 + 64 + kPrefetch), _MM_HINT_T0);
+      const __m256i x0 = group(0, g), x1 = group(0, g + 1);
+      const __m256i w0 = w(g, 0), w1 = w(g, 1), w2 = w(g + 1, 0), w3 = w(g + 1, 1);
+      acc[0][0] = dot(acc[0][0], _mm256_abs_epi8(w0), w0, x0);
+      acc[0][1] = dot(acc[0][1], _mm256_abs_epi8(w1), w1, x0);
+      odd0 = dot(odd0, _mm256_abs_epi8(w2), w2, x1);
+      odd1 = dot(odd1, _mm256_abs_epi8(w3), w3, x1);
     }
+    acc[0][0] = _mm256_add_epi32(acc[0][0], odd0);
+    acc[0][1] = _mm256_add_epi32(acc[0][1], odd1);
+  }
+  for (; g < KG; ++g) {
+    const __m256i w0 = w(g, 0), w1 = w(g, 1);
+    const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
-      int32_t xv;
-      std::memcpy(&xv, xu + i * ldx + g * 2, 4);
-      const __m256i xb = _mm256_set1_epi32(xv);
-      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(xb, w0));
-      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(xb, w1));
+      const __m256i xb = group(i, g);
+      acc[i][0] = dot(acc[i][0], a0, w0, xb);
+      acc[i][1] = dot(acc[i][1], a1, w1, xb);
     }
   }
 #pragma GCC unroll 8
@@ -254,25 +281,6 @@ inline void panel_kernel(const qx_t* xu, int64_t ldx, const int8_t* panel, int64
 #endif
 }
 
-#if defined(QK_A8W8_AVX2)
-inline void widen_panel(const int8_t* panel, int64_t KG, int16_t* out) {
-  for (int64_t b = 0; b < KG * 32; b += 16)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(out + b),
-                       _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + b))));
-}
-
-inline void panel_rows16(int mb, const int16_t* xu, int64_t ldx, const int16_t* panel, int64_t KG, int32_t* out) {
-  switch (mb) {
-    case 6: panel_tile_avx2<6>(xu, ldx, panel, KG, out); break;
-    case 5: panel_tile_avx2<5>(xu, ldx, panel, KG, out); break;
-    case 4: panel_tile_avx2<4>(xu, ldx, panel, KG, out); break;
-    case 3: panel_tile_avx2<3>(xu, ldx, panel, KG, out); break;
-    case 2: panel_tile_avx2<2>(xu, ldx, panel, KG, out); break;
-    default: panel_tile_avx2<1>(xu, ldx, panel, KG, out); break;
-  }
-}
-constexpr int64_t kWidenRows = 4 * kMaxRows;   // x rows from which widening a panel once pays
-#endif
 
 inline void panel_rows(int mb, const qx_t* xu, int64_t ldx, const int8_t* panel, int64_t KG, int32_t* out) {
   switch (mb) {
@@ -293,7 +301,7 @@ at::Tensor a8w8_pack(const at::Tensor& w_in) {
   auto w = w_in.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t NP = (N + kPanel - 1) / kPanel, KG = (K + kGroup - 1) / kGroup;
-  auto packed = at::zeros({NP, KG, kPanel, kGroup}, w.options());
+  auto packed = stream_zeros({NP, KG, kPanel, kGroup}, at::kChar);   // huge pages (memory.cpp)
   const int8_t* src = w.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
@@ -328,27 +336,12 @@ void a8w8_panels(const void* xu_in, const float* sp, int64_t M, int64_t Kp, cons
   const qx_t* xup = static_cast<const qx_t*>(xu_in);
   const int64_t panel_bytes = KG * kPanel * kGroup;
   alignas(64) int32_t acc[kMaxRows * kPanel];
-#if defined(QK_A8W8_AVX2)
-  static thread_local std::vector<int16_t> wide_buf;
-  int16_t* wide = nullptr;
-  if (M >= kWidenRows) {
-    wide_buf.resize(panel_bytes + 32);   // + room to start on a cache line
-    wide = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
-  }
-#endif
   for (int64_t p = p0; p < p1; ++p) {
     const int8_t* panel = wp + p * panel_bytes;
     const int64_t n0 = p * kPanel;
     const int64_t nb = std::min<int64_t>(kPanel, N - n0);
-#if defined(QK_A8W8_AVX2)
-    if (wide) widen_panel(panel, KG, wide);
-#endif
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-#if defined(QK_A8W8_AVX2)
-      if (wide) panel_rows16(mb, xup + m0 * Kp, Kp, wide, KG, acc);
-      else
-#endif
       panel_rows(mb, xup + m0 * Kp, Kp, panel, KG, acc);
       for (int i = 0; i < mb; ++i) {
         const float s = sp[m0 + i];
@@ -400,7 +393,7 @@ at::Tensor a8w8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   sizes.back() = N;
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y.reshape(sizes);
-  auto xu = at::empty({M, Kp}, x.options().dtype(kOffset ? at::kByte : at::kShort));
+  auto xu = at::empty({M, Kp}, x.options().dtype(kOffset ? at::kByte : at::kChar));
   auto scales = at::empty({M}, x.options().dtype(at::kFloat));
   qx_t* xup = static_cast<qx_t*>(xu.data_ptr());
   float* sp = scales.data_ptr<float>();

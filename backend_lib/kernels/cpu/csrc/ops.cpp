@@ -31,6 +31,7 @@ TORCH_LIBRARY(qwen3_cpu, m) {
         "Tensor final_norm, int H, int KVH, float eps, float scale) -> Tensor",
         &qk::decode_layers);
   m.def("decode_layers_profile(bool enable) -> Tensor", &qk::decode_layers_profile);
+  m.def("stream_zeros(int[] size, ScalarType dtype) -> Tensor", &qk::stream_zeros);
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor table, Tensor lut, int[] dims) -> Tensor",
         &qk::moe_experts);
 }

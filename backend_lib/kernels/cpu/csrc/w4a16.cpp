@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 #include "common.h"
+#include "ops.h"
 #include "parts.h"
 
 namespace qk {
@@ -297,7 +298,7 @@ at::Tensor w4a16_pack(const at::Tensor& codes) {
   const int64_t N = codes.size(0), K = codes.size(1);
   const int64_t NP = (N + kPanel - 1) / kPanel, K8 = (K + kOct - 1) / kOct;
   const at::Tensor c = codes.contiguous();
-  at::Tensor out = at::zeros({NP, K8, kPanel}, c.options().dtype(at::kInt));
+  at::Tensor out = stream_zeros({NP, K8, kPanel}, at::kInt);   // huge pages (memory.cpp)
   const uint8_t* src = c.data_ptr<uint8_t>();
   int32_t* dst = out.data_ptr<int32_t>();
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
