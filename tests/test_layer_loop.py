@@ -258,3 +258,29 @@ def test_the_region_profile_accounts_for_a_moe_decode_step(moe_a8w8_ckpt):
     assert 0 < r["region_ms"] < r["step_ms"]
     r["stream_read_gb_per_s"] = 10.0
     assert "MoE router GEMV" in region_table([r])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_regions_routing_is_layers_moe_route_bit_for_bit(dtype):
+    """csrc/decode_layers.cpp's routing (its own top-k where torch.topk's answer is unique, at::topk where a row
+    ties or holds a NaN; the softmax and the renormalization torch's ops) against layers/moe.py's route(): the
+    same ids and weights, random rows, equal router rows (ties), all-equal rows, NaN rows, every k."""
+    from backend_lib.layers.moe import route
+
+    g = torch.Generator().manual_seed(0)
+    for e, ks in ((8, (1, 2, 8)), (70, (3, 6)), (128, (1, 6, 8, 16))):
+        logits = torch.randn(2000, e, generator=g) * 4
+        tied = logits[:40].clone()
+        tied[:10, 1] = tied[:10, 0]                   # two experts tie
+        tied[10:20] = 0.25                            # every expert ties
+        tied[20:30, 3] = tied[20:30].max(1).values    # the top one ties
+        nan = logits[:4].clone()
+        nan[:2, 2] = float("nan")
+        for x in (logits, tied, torch.cat([logits[:100], tied[15:16]]), nan):   # a step's rows are routed together
+            x = x.to(dtype)
+            for k in ks:
+                for norm in (True, False):
+                    ids, w = torch.ops.qwen3_cpu.moe_route(x, k, norm)
+                    ref_ids, ref_w = route(x, k, norm)
+                    assert torch.equal(ids, ref_ids) and w.dtype == dtype
+                    assert torch.equal(w.isnan(), ref_w.isnan()) and torch.equal(w.nan_to_num(), ref_w.nan_to_num())

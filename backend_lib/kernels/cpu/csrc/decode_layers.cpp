@@ -17,6 +17,13 @@
 // states and the KV cache are bit-identical to the ops' (and to the Python layer loop), whatever the batch and
 // the thread count.
 //
+// A Qwen3-MoE sparse layer (A8W8 experts) stays in the region too: the router GEMV (float_linear's panels, one
+// per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's route()
+// (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
+// parallel_for runs serially) and plans the pairs per expert, while the others wait at a barrier; then the
+// experts' phases of moe_parts.h (the native MoE op's code: gate_up items, SwiGLU, down items, the combine into
+// the layer's output rows), a barrier after each. Batch 1 reads the router and its k experts' weights only.
+//
 // Other steps (prefill chunks, mixed steps) call the ops one after another as the Python layers do (models/
 // qwen3.py, layers/attention.py, layers/mlp.py), with the same arguments in the same order: each op opens its
 // own parallel region, which a many-row step amortizes.
@@ -53,15 +60,56 @@ constexpr int64_t kMoeDimsLen = 8;
 
 bool is_sparse(const at::Tensor* w) { return w[kMoeDims].scalar_type() == at::kLong; }
 
-// The router's top-k as layers/moe.py's route() computes it (the same ATen ops: softmax in fp32, topk, the
-// renormalization, the cast back to the logits' dtype): (ids int64 [T, k], weights [T, k]).
+// The top-k of fp32 rows p [Tn, E] in descending order (ids, values) where torch.topk's answer is the only one:
+// false if a row holds a NaN or equal values of which one is among its k (then torch's choice and order among them
+// are its algorithm's, and the caller runs at::topk itself).
+bool unique_topk(const float* p, int64_t Tn, int64_t E, int64_t k, int64_t* ids, float* vals) {
+  if (k < 1 || k > E) return false;
+  for (int64_t t = 0; t < Tn; ++t) {
+    const float* row = p + t * E;
+    int64_t* id = ids + t * k;
+    float* v = vals + t * k;
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const float x = row[e];
+      if (std::isnan(x)) return false;
+      if (n == k && !(x > v[k - 1])) continue;
+      int64_t i = n < k ? n++ : k - 1;
+      while (i > 0 && v[i - 1] < x) {
+        v[i] = v[i - 1], id[i] = id[i - 1];
+        --i;
+      }
+      v[i] = x, id[i] = e;
+    }
+    for (int64_t j = 1; j < k; ++j)
+      if (!(v[j - 1] > v[j])) return false;
+    int64_t at_least = 0;   // values >= the k-th: exactly the k chosen
+    for (int64_t e = 0; e < E; ++e) at_least += row[e] >= v[k - 1];
+    if (at_least != k) return false;
+  }
+  return true;
+}
+
+// The router's top-k as layers/moe.py's route() computes it: (ids int64 [T, k], weights [T, k] in the logits'
+// dtype). The softmax in fp32 and the renormalization's sum and division are the very ATen ops route() calls;
+// the top-k is torch.topk's where its answer is unique (unique_topk; else at::topk itself), the cast to bf16
+// round-to-nearest-even as Tensor.to.
 std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob) {
-  at::Tensor probs = at::softmax(logits, -1, at::kFloat);
-  at::Tensor weights, ids;
-  std::tie(weights, ids) = at::topk(probs, top_k, -1);
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat).contiguous();
+  const int64_t Tn = probs.size(0), E = probs.size(1);
+  at::Tensor ids = at::empty({Tn, top_k}, probs.options().dtype(at::kLong));
+  at::Tensor weights = at::empty({Tn, top_k}, probs.options());
+  if (!unique_topk(probs.data_ptr<float>(), Tn, E, top_k, ids.data_ptr<int64_t>(), weights.data_ptr<float>()))
+    std::tie(weights, ids) = at::topk(probs, top_k, -1);
   const int64_t last = -1;
   if (norm_topk_prob) weights = weights / weights.sum(at::IntArrayRef(&last, 1), true);
-  return {ids, weights.to(logits.scalar_type())};
+  if (logits.scalar_type() != at::kBFloat16) return {ids, weights.to(logits.scalar_type())};
+  const at::Tensor w = weights.contiguous();
+  at::Tensor out = at::empty({Tn, top_k}, probs.options().dtype(at::kBFloat16));
+  const float* src = w.data_ptr<float>();
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < Tn * top_k; ++i) dst[i] = c10::BFloat16(src[i]);
+  return {ids, out};
 }
 
 // Qwen3SparseMoe.forward with the CPU set's moe slot (kernels/cpu/moe.py): the router, route(), moe_experts.
@@ -615,6 +663,15 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
 }
 
 }  // namespace
+
+// The sparse layers' routing (route above) on router logits [T, E]: what the region and the op path compute, for
+// the tests against layers/moe.py's route().
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob) {
+  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "moe_route: logits must be float32 or bfloat16 [T, E]");
+  TORCH_CHECK(top_k >= 1 && top_k <= logits.size(1), "moe_route: top_k must be in [1, ", logits.size(1), "]");
+  return route(logits, top_k, norm_topk_prob);
+}
 
 // Seconds per thread and phase of the one-region steps since the last call ([threads, phases + 1], the last
 // column the number of steps in row 0), then resets; `enable` switches the accounting on or off from now on.

@@ -31,6 +31,7 @@ TORCH_LIBRARY(qwen3_cpu, m) {
         "Tensor final_norm, int H, int KVH, float eps, float scale) -> Tensor",
         &qk::decode_layers);
   m.def("decode_layers_profile(bool enable) -> Tensor", &qk::decode_layers_profile);
+  m.def("moe_route(Tensor logits, int top_k, bool norm_topk_prob) -> (Tensor, Tensor)", &qk::moe_route);
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor table, Tensor lut, int[] dims) -> Tensor",
         &qk::moe_experts);
 }
