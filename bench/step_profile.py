@@ -221,7 +221,8 @@ def layer_loop_ab(eng, threads: int, context: int, steps: int, block: int = 4) -
 
 # decode_layers_profile's phases (csrc/decode_layers.cpp, enum Phase), grouped into the rows of the region table
 REGION_PHASES = ("prologue fork normIn qkv qkvWait rope kvWrite attn attnWait quantO o oWait normPost gateUp gateUpWait silu "
-                 "down downWait final").split()
+                 "down downWait final "
+                 "router routerWait route gather expGateUp expGateUpWait expSilu expDown expDownWait combine").split()
 REGION_ROWS = (
     ("GEMV qkv_proj", ("qkv",), "qkv_proj"),
     ("GEMV gate_up_proj", ("gateUp",), "gate_up_proj"),
@@ -230,10 +231,42 @@ REGION_ROWS = (
     ("attention items: paged attention", ("attn",), None),
     ("attention items: q/k-norm + RoPE, KV write", ("rope", "kvWrite"), None),
     ("row ops: add + RMSNorm, activation quantization, SwiGLU, final norm", ("normIn", "quantO", "normPost", "silu", "final"), None),
-    ("barrier waits (GEMV tails, attention items)", ("qkvWait", "attnWait", "oWait", "gateUpWait", "downWait"), None),
+    # Qwen3-MoE's sparse layers (batch 1: the bytes of the top-k experts' weights per layer)
+    ("MoE router GEMV", ("router",), "router"),
+    ("MoE routing: softmax, top-k (ATen, one thread)", ("route",), "sparse"),
+    ("MoE experts gate_up (the routed experts)", ("expGateUp",), "experts_gate_up"),
+    ("MoE experts down (the routed experts)", ("expDown",), "experts_down"),
+    ("MoE row ops: gather, SwiGLU, combine", ("gather", "expSilu", "combine"), "sparse"),
+    ("barrier waits (GEMV tails, attention items)", ("qkvWait", "attnWait", "oWait", "gateUpWait", "downWait",
+                                                     "routerWait", "expGateUpWait", "expDownWait"), None),
     ("layers call before the region: argument checks, pointers (C++)", ("prologue",), None),
     ("region entry (fork)", ("fork",), None),
 )
+
+
+def _prepared_bytes(mod) -> int:
+    return sum(t.numel() * t.element_size() for t in mod.prepared if isinstance(t, torch.Tensor))
+
+
+def _region_bytes(model, what: str) -> int | None:
+    """Bytes a batch-1 step reads for a row of the region table (a projection over the layers that have it; the
+    MoE rows: the routers, the top-k experts' weights), 0 for a row of no weights, None where no layer has it."""
+    from backend_lib.layers.moe import Qwen3SparseMoe
+
+    sparse = [layer.mlp for layer in model.layers if type(layer.mlp) is Qwen3SparseMoe]
+    if what in ("qkv_proj", "o_proj"):
+        return sum(_prepared_bytes(getattr(layer.self_attn, what)) for layer in model.layers)
+    if what in ("gate_up_proj", "down_proj"):
+        mods = [getattr(layer.mlp, what) for layer in model.layers if hasattr(layer.mlp, what)]
+        return sum(_prepared_bytes(m) for m in mods) if mods else None
+    if not sparse:
+        return None
+    if what == "router":
+        return sum(_prepared_bytes(m.gate) for m in sparse)
+    if what == "sparse":
+        return 0
+    j = 0 if what == "experts_gate_up" else 1
+    return sum(m.top_k * _prepared_bytes(next(p for p in m.expert_pairs if p is not None)[j]) for m in sparse)
 
 
 def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict:
@@ -295,10 +328,11 @@ def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict
         ms = sum(phase_ms[ph] for ph in phases)
         nbytes = 0
         if lin:
-            mods = [getattr(layer.self_attn if lin in ("qkv_proj", "o_proj") else layer.mlp, lin)
-                    for layer in model.layers]
-            nbytes = sum(t.numel() * t.element_size() for m in mods for t in m.prepared if isinstance(t, torch.Tensor))
-            wait = phase_ms[phases[0] + "Wait"]
+            nbytes = _region_bytes(model, lin)
+            if nbytes is None:   # no such layer in this model
+                continue
+            lin = lin if nbytes else None
+            wait = phase_ms.get(phases[0] + "Wait", 0.0)
         ops[label] = {"ms_per_step": ms, "mb_per_step": nbytes / 1e6,
                       "gb_per_s": nbytes / 1e6 / (ms + wait) if lin else None}   # read rate over work + tail
     region_ms = sum(v for ph, v in phase_ms.items() if ph != "prologue")

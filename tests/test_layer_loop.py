@@ -138,3 +138,149 @@ def test_the_region_profile_accounts_for_a_decode_step(a8w8_ckpt):
     assert 0 < r["region_ms"] < r["step_ms"]
     r["stream_read_gb_per_s"] = 10.0
     assert "GEMV lm_head" in region_table([r])
+
+
+# ----- Qwen3-MoE: sparse layers in the region ----------------------------------------------------------------
+
+def _phase(name):
+    from bench.step_profile import REGION_PHASES
+    return REGION_PHASES.index(name)
+
+
+def _routings(model, batch):
+    """Records layer 0's expert sets of every decode row the Python loop routes (the Twin's reference pass):
+    a list, one set of rows per decode step of `batch` rows."""
+    moe = model.layers[0].mlp
+    gate, seen = moe.gate.forward, []
+
+    def forward(x, *a):
+        logits = gate(x, *a)
+        if x.shape[0] == batch:
+            seen.append({tuple(sorted(r)) for r in torch.topk(logits, moe.top_k).indices.tolist()})
+        return logits
+    moe.gate.forward = forward
+    return seen
+
+
+def _moe_mixed(ckpts):
+    """Dense and sparse layers mixed (mlp_only_layers: layer 1 dense; 0, 2, 3 sparse), unnormalized top-3 of 70
+    experts: the router's two panels (64 + 6 outputs)."""
+    return ckpts.get("tiny-moe-mixed-a8w8", "a8w8", "tiny-moe", num_hidden_layers=4, mlp_only_layers=[1],
+                     norm_topk_prob=False, num_experts=70, num_experts_per_tok=3)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_moe_decode_steps_run_in_one_region_with_the_python_loops_bits(moe_a8w8_ckpt, batch, threads):
+    """Sparse layers inside the one region (router GEMV, routing, the experts' phases, the combine): the hidden
+    states, logits and KV caches of every step bit-identical to the Python loop (which runs the native MoE op),
+    batch 1 (no gather), 2 (rows per thread) and 5 (rows split, tokens sharing experts), 1 and 2 threads."""
+    eng = make_engine(moe_a8w8_ckpt, dtype="bfloat16", max_num_seqs=8, kv_cache_memory="4MiB", max_model_len=256)
+    assert eng.runner.model.layer_loop.applies(eng.runner.kv_cache)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.qwen3_cpu.decode_layers_profile(True)
+        twin = Twin(eng)
+        seen = _routings(eng.runner.model, batch)
+        eng.generate(_prompts(eng, batch), _greedy(eng))
+        prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
+    finally:
+        torch.set_num_threads(old)
+    assert twin.decode_steps >= 11 and batch in twin.batches
+    assert batch == 1 or max(len(rows) for rows in seen) > 1   # the rows of a step routed differently
+    assert prof[0, -1].item() == twin.decode_steps   # every decode step in the region
+    for ph in ("route", "expGateUp", "combine"):     # through its sparse-layer path
+        assert prof[0, _phase(ph)].item() > 0
+    assert prof[:, _phase("gateUp")].sum().item() == 0   # no dense MLP in this model
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_moe_mixed_dense_and_sparse_layers_in_the_region(ckpts, dtype):
+    ckpt = _moe_mixed(ckpts)
+    eng = make_engine(ckpt, dtype=dtype, max_num_seqs=8, kv_cache_memory="4MiB", max_model_len=256)
+    kinds = [type(layer.mlp).__name__ for layer in eng.runner.model.layers]
+    assert kinds == ["Qwen3SparseMoe", "Qwen3MLP", "Qwen3SparseMoe", "Qwen3SparseMoe"]
+    torch.ops.qwen3_cpu.decode_layers_profile(True)
+    twin = Twin(eng)
+    seen = _routings(eng.runner.model, 6)
+    eng.generate(_prompts(eng, 6), _greedy(eng))
+    prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
+    assert twin.decode_steps >= 11 and 6 in twin.batches and max(len(rows) for rows in seen) > 1
+    assert prof[0, -1].item() == twin.decode_steps
+    assert prof[0, _phase("route")].item() > 0 and prof[:, _phase("gateUp")].sum().item() > 0
+
+
+def test_moe_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(ckpts):
+    """Through the engine: the same greedy ids with the layer loop on and off, and batched as alone."""
+    eng = make_engine(_moe_mixed(ckpts), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="8MiB",
+                      max_model_len=256)
+    model = eng.runner.model
+    prompts = _prompts(eng, 8)
+    loop, calls = model.layer_loop, []
+
+    class Counting:
+        applies = staticmethod(loop.applies)
+
+        def __call__(self, *a):
+            calls.append(1)
+            return loop(*a)
+
+    model.layer_loop = Counting()
+    fast = [r["output_ids"] for r in eng.generate(prompts, _greedy(eng, 16))]
+    assert len(calls) >= 16
+    solo = [eng.generate([p], _greedy(eng, 16))[0]["output_ids"] for p in prompts[:2]]
+    model.use_layer_loop = False
+    calls.clear()
+    slow = [r["output_ids"] for r in eng.generate(prompts, _greedy(eng, 16))]
+    assert not calls
+    assert fast == slow and solo == fast[:2]
+
+
+def test_moe_python_loop_where_the_region_does_not_take_the_experts(moe_bf16_ckpt, ckpts):
+    """Float or int4 experts (their attention is not A8W8 either) keep the Python loop."""
+    for ckpt in (moe_bf16_ckpt, ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe")):
+        eng = make_engine(ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
+        assert not eng.runner.model.layer_loop.applies(eng.runner.kv_cache)
+
+
+def test_the_region_profile_accounts_for_a_moe_decode_step(moe_a8w8_ckpt):
+    """bench.step_profile --region on a Qwen3-MoE model: the sparse layers' phases, the routed experts' bytes."""
+    from bench.step_profile import region_round, region_table
+    eng = make_engine(moe_a8w8_ckpt, dtype="bfloat16", max_num_seqs=1, kv_cache_memory="4MiB", max_model_len=256)
+    r = region_round(eng, threads=2, context=16, steps=6, seed=1)
+    assert r["steps_in_region"] == 6
+    for label in ("GEMV qkv_proj", "MoE router GEMV", "MoE experts gate_up (the routed experts)",
+                  "MoE experts down (the routed experts)"):
+        assert r["ops"][label]["ms_per_step"] > 0 and r["ops"][label]["gb_per_s"] > 0
+    assert r["ops"]["MoE routing: softmax, top-k (ATen, one thread)"]["ms_per_step"] > 0
+    assert "GEMV gate_up_proj" not in r["ops"]   # no dense MLP layer
+    assert 0 < r["region_ms"] < r["step_ms"]
+    r["stream_read_gb_per_s"] = 10.0
+    assert "MoE router GEMV" in region_table([r])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_regions_routing_is_layers_moe_route_bit_for_bit(dtype):
+    """csrc/decode_layers.cpp's routing (its own top-k where torch.topk's answer is unique, at::topk where a row
+    ties or holds a NaN; the softmax and the renormalization torch's ops) against layers/moe.py's route(): the
+    same ids and weights, random rows, equal router rows (ties), all-equal rows, NaN rows, every k."""
+    from backend_lib.layers.moe import route
+
+    g = torch.Generator().manual_seed(0)
+    for e, ks in ((8, (1, 2, 8)), (70, (3, 6)), (128, (1, 6, 8, 16))):
+        logits = torch.randn(2000, e, generator=g) * 4
+        tied = logits[:40].clone()
+        tied[:10, 1] = tied[:10, 0]                   # two experts tie
+        tied[10:20] = 0.25                            # every expert ties
+        tied[20:30, 3] = tied[20:30].max(1).values    # the top one ties
+        nan = logits[:4].clone()
+        nan[:2, 2] = float("nan")
+        for x in (logits, tied, torch.cat([logits[:100], tied[15:16]]), nan):   # a step's rows are routed together
+            x = x.to(dtype)
+            for k in ks:
+                for norm in (True, False):
+                    ids, w = torch.ops.qwen3_cpu.moe_route(x, k, norm)
+                    ref_ids, ref_w = route(x, k, norm)
+                    assert torch.equal(ids, ref_ids) and w.dtype == dtype
+                    assert torch.equal(w.isnan(), ref_w.isnan()) and torch.equal(w.nan_to_num(), ref_w.nan_to_num())

@@ -3,17 +3,24 @@
 The compiled op runs the same kernel functions as the Python layers, in the same order, so its hidden states
 are bit-identical to Qwen3ForCausalLM's Python loop (the reference of behaviour, tests/test_layer_loop.py);
 it only removes the interpreter between ~200 kernel calls a step. It applies where that path would compute
-nothing else: the `cpu` kernel set, every projection a plain A8W8Linear, a dense KV cache; anything else
-(float or int4 weights, TurboQuant, linears wrapped with per-row features, Qwen3-MoE's sparse layers) takes the
-Python loop.
+nothing else: the `cpu` kernel set, every projection a plain A8W8Linear, a dense KV cache; Qwen3-MoE's sparse
+layers (layers/moe.py) where the router is a FloatLinear, the routing layers/moe.py's route() and the experts
+A8W8 in the set's native op (kernels/cpu/moe.py's table, the one the Python layer uses). Anything else (float or
+int4 weights or experts, TurboQuant, linears wrapped with per-row features, expert parallelism) takes the Python
+loop.
+
+A sparse layer's MLP slots in the op's list: the router's packed weight, the experts' table and lut, its dims
+(moe_experts' six, then top_k and norm_topk_prob, int64), two empty tensors (csrc/decode_layers.cpp, kMoeDims).
 """
 from __future__ import annotations
 
 import torch
 
 from ..kv_cache.dense import DenseKVCache
-from ..layers.linear import A8W8Linear
+from ..kernels.cpu.moe import A8W8, _table_of
+from ..layers.linear import A8W8Linear, FloatLinear
 from ..layers.mlp import Qwen3MLP
+from ..layers.moe import Qwen3SparseMoe
 
 
 class LayerLoop:
@@ -28,16 +35,34 @@ class LayerLoop:
         self.heads = (attn.num_heads, attn.num_kv_heads, attn.eps, attn.scale) if attn is not None else None
 
     def _linears(self, layer):
-        return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        dense = (layer.mlp.gate_up_proj, layer.mlp.down_proj) if type(layer.mlp) is Qwen3MLP else ()
+        return (layer.self_attn.qkv_proj, layer.self_attn.o_proj) + dense
+
+    @staticmethod
+    def _sparse_ok(mlp) -> bool:
+        """A sparse layer the op computes as the Python layer does: route() on a FloatLinear router's logits, the
+        A8W8 experts through the CPU set's native op (its table)."""
+        if mlp.kernels.moe_route is not None or type(mlp.gate) is not FloatLinear or mlp.gate.prepared[0].dim() != 4:
+            return False
+        table = _table_of(mlp.moe_weights)
+        return table is not None and table.dims[0] == A8W8
 
     def applies(self, kv_cache) -> bool:
         if self.model.kernels.name != "cpu" or self.heads is None or type(kv_cache) is not DenseKVCache:
             return False
         if self.linears_ok is None:   # the projections are fixed at load
-            self.linears_ok = all(type(layer.mlp) is Qwen3MLP and all(
-                type(lin) is A8W8Linear and len(lin.prepared) == 3 for lin in self._linears(layer))
+            self.linears_ok = all(
+                (type(layer.mlp) is Qwen3MLP or (type(layer.mlp) is Qwen3SparseMoe and self._sparse_ok(layer.mlp)))
+                and all(type(lin) is A8W8Linear and len(lin.prepared) == 3 for lin in self._linears(layer))
                 for layer in self.model.layers)
         return self.linears_ok
+
+    @staticmethod
+    def _sparse_tensors(mlp) -> list[torch.Tensor]:
+        table = _table_of(mlp.moe_weights)
+        dims = torch.tensor(list(table.dims) + [mlp.top_k, int(mlp.norm_topk_prob)], dtype=torch.int64)
+        empty = torch.empty(0)
+        return [mlp.gate.prepared[0], table.table, table.lut, dims, empty, empty]
 
     def _layer_tensors(self) -> list[torch.Tensor]:
         if self.layers is None:
@@ -47,6 +72,8 @@ class LayerLoop:
                 flat += [layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm]
                 for lin in self._linears(layer):
                     flat += list(lin.prepared)
+                if type(layer.mlp) is Qwen3SparseMoe:
+                    flat += self._sparse_tensors(layer.mlp)
             self.layers = [t.detach() for t in flat]
         return self.layers
 

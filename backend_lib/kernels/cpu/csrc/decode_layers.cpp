@@ -17,6 +17,13 @@
 // states and the KV cache are bit-identical to the ops' (and to the Python layer loop), whatever the batch and
 // the thread count.
 //
+// A Qwen3-MoE sparse layer (A8W8 experts) stays in the region too: the router GEMV (float_linear's panels, one
+// per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's route()
+// (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
+// parallel_for runs serially) and plans the pairs per expert, while the others wait at a barrier; then the
+// experts' phases of moe_parts.h (the native MoE op's code: gate_up items, SwiGLU, down items, the combine into
+// the layer's output rows), a barrier after each. Batch 1 reads the router and its k experts' weights only.
+//
 // Other steps (prefill chunks, mixed steps) call the ops one after another as the Python layers do (models/
 // qwen3.py, layers/attention.py, layers/mlp.py), with the same arguments in the same order: each op opens its
 // own parallel region, which a many-row step amortizes.
@@ -27,6 +34,7 @@
 #include <mutex>
 #include <vector>
 
+#include "moe_parts.h"
 #include "ops.h"
 #include "parts.h"
 
@@ -42,6 +50,78 @@ enum LayerTensor : int64_t {
   kDownPacked, kDownScale, kDownColsum,
   kPerLayer
 };
+// A sparse (Qwen3-MoE) layer's MLP slots hold instead: kRouterPacked the router's float_pack'ed weight (E outputs),
+// kMoeTable / kMoeLut moe_experts' table and lut, kMoeDims int64 [8]: moe_experts' dims (kind, H, I, aux_gu,
+// aux_dn, bf16 weights), then top_k and norm_topk_prob; kDownScale and kDownColsum are unused (empty tensors).
+// kMoeDims' dtype marks the layer (int64, where a dense layer has its int8 packed down_proj).
+enum SparseTensor : int64_t { kRouterPacked = kGateUpPacked, kMoeTable = kGateUpScale, kMoeLut = kGateUpColsum,
+                              kMoeDims = kDownPacked };
+constexpr int64_t kMoeDimsLen = 8;
+
+bool is_sparse(const at::Tensor* w) { return w[kMoeDims].scalar_type() == at::kLong; }
+
+// The top-k of fp32 rows p [Tn, E] in descending order (ids, values) where torch.topk's answer is the only one:
+// false if a row holds a NaN or equal values of which one is among its k (then torch's choice and order among them
+// are its algorithm's, and the caller runs at::topk itself).
+bool unique_topk(const float* p, int64_t Tn, int64_t E, int64_t k, int64_t* ids, float* vals) {
+  if (k < 1 || k > E) return false;
+  for (int64_t t = 0; t < Tn; ++t) {
+    const float* row = p + t * E;
+    int64_t* id = ids + t * k;
+    float* v = vals + t * k;
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const float x = row[e];
+      if (std::isnan(x)) return false;
+      if (n == k && !(x > v[k - 1])) continue;
+      int64_t i = n < k ? n++ : k - 1;
+      while (i > 0 && v[i - 1] < x) {
+        v[i] = v[i - 1], id[i] = id[i - 1];
+        --i;
+      }
+      v[i] = x, id[i] = e;
+    }
+    for (int64_t j = 1; j < k; ++j)
+      if (!(v[j - 1] > v[j])) return false;
+    int64_t at_least = 0;   // values >= the k-th: exactly the k chosen
+    for (int64_t e = 0; e < E; ++e) at_least += row[e] >= v[k - 1];
+    if (at_least != k) return false;
+  }
+  return true;
+}
+
+// The router's top-k as layers/moe.py's route() computes it: (ids int64 [T, k], weights [T, k] in the logits'
+// dtype). The softmax in fp32 and the renormalization's sum and division are the very ATen ops route() calls;
+// the top-k is torch.topk's where its answer is unique (unique_topk; else at::topk itself), the cast to bf16
+// round-to-nearest-even as Tensor.to.
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob) {
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat).contiguous();
+  const int64_t Tn = probs.size(0), E = probs.size(1);
+  at::Tensor ids = at::empty({Tn, top_k}, probs.options().dtype(at::kLong));
+  at::Tensor weights = at::empty({Tn, top_k}, probs.options());
+  if (!unique_topk(probs.data_ptr<float>(), Tn, E, top_k, ids.data_ptr<int64_t>(), weights.data_ptr<float>()))
+    std::tie(weights, ids) = at::topk(probs, top_k, -1);
+  const int64_t last = -1;
+  if (norm_topk_prob) weights = weights / weights.sum(at::IntArrayRef(&last, 1), true);
+  if (logits.scalar_type() != at::kBFloat16) return {ids, weights.to(logits.scalar_type())};
+  const at::Tensor w = weights.contiguous();
+  at::Tensor out = at::empty({Tn, top_k}, probs.options().dtype(at::kBFloat16));
+  const float* src = w.data_ptr<float>();
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < Tn * top_k; ++i) dst[i] = c10::BFloat16(src[i]);
+  return {ids, out};
+}
+
+// Qwen3SparseMoe.forward with the CPU set's moe slot (kernels/cpu/moe.py): the router, route(), moe_experts.
+at::Tensor sparse_mlp_ops(const at::Tensor& h, const at::Tensor* w) {
+  const at::Tensor dims = w[kMoeDims].contiguous();
+  TORCH_CHECK(dims.numel() == kMoeDimsLen, "decode_layers: a sparse layer's dims must be int64 [", kMoeDimsLen, "]");
+  const int64_t* d = dims.data_ptr<int64_t>();
+  at::Tensor ids, weights;
+  const at::Tensor logits = float_linear(h, w[kRouterPacked], w[kMoeTable].size(0), c10::nullopt);
+  std::tie(ids, weights) = route(logits, d[6], d[7] != 0);
+  return moe_experts(h, ids, weights, w[kMoeTable], w[kMoeLut], at::IntArrayRef(d, 6));
+}
 
 constexpr int64_t kMaxFusedRows = 64;   // decode steps of up to this many sequences take the one-region path
 constexpr int64_t kRedundantRows = 2;   // up to this many rows, every thread computes the row-wise ops itself
@@ -51,7 +131,10 @@ constexpr int64_t kLine = 8;             // int64 counters per cache line
 // Optional time accounting of the region (decode_layers_profile): per thread, seconds in each phase.
 enum Phase : int {
   kPrologue, kFork, kNormIn, kQkv, kQkvWait, kRope, kKvWrite, kAttn, kAttnWait, kQuantO, kO, kOWait, kNormPost, kGateUp,
-  kGateUpWait, kSilu, kDown, kDownWait, kFinal, kPhases
+  kGateUpWait, kSilu, kDown, kDownWait, kFinal,
+  // sparse layers: the router GEMV, the routing (one thread), the experts' phases (moe_parts.h), the combine
+  kRouter, kRouterWait, kRoute, kGather, kExpGateUp, kExpGateUpWait, kExpSilu, kExpDown, kExpDownWait, kCombine,
+  kPhases
 };
 struct alignas(64) ProfRow {
   double s[kPhases];
@@ -101,6 +184,10 @@ at::Tensor decode_layers_ops(const at::Tensor& x_in, at::TensorList layers, at::
     at::Tensor o = paged_attention(q, kc, vc, block_tables, query_start_loc, seq_lens, scale);
     h = a8w8_linear(o.reshape({T, H * o.size(2)}), w[kOPacked], w[kOScale], w[kOColsum]);
     std::tie(h, residual) = add_rms_norm(h, residual, w[kPostNorm], eps);
+    if (is_sparse(w)) {   // Qwen3SparseMoe.forward
+      x = sparse_mlp_ops(h, w);
+      continue;
+    }
     // Qwen3MLP.forward
     x = a8w8_linear(silu_mul(a8w8_linear(h, w[kGateUpPacked], w[kGateUpScale], w[kGateUpColsum])), w[kDownPacked],
                     w[kDownScale], w[kDownColsum]);
@@ -130,6 +217,73 @@ bool make_lin(const at::Tensor& packed, const at::Tensor& scale, const at::Tenso
   out = {packed.data_ptr<int8_t>(), scale.data_ptr<float>(), colsum.data_ptr<int32_t>(), N, NP, KG, Kp,
          std::max<int64_t>(1, NP / (8 * nt))};   // a8w8_linear's chunk
   return true;
+}
+
+// A sparse layer's MLP in the region: the router (float panels of 64 outputs, as float_linear), its top-k, the
+// experts (A8W8, moe_parts.h).
+struct Sparse {
+  bool on = false;
+  const void* router = nullptr;
+  bool router_bf16 = false, norm = false;
+  int64_t E = 0, router_np = 0, k = 0;
+  moe::Experts ex;
+};
+
+// A sparse layer's tensors as sparse_mlp_ops' ops would take them, for hidden width hid; false if the region
+// cannot take them (then the op path runs: float or int4 experts, a malformed table).
+bool make_sparse(const at::Tensor* w, int64_t hid, Sparse& sp) {
+  const at::Tensor &dims = w[kMoeDims], &table = w[kMoeTable], &router = w[kRouterPacked];
+  if (!dims.is_contiguous() || dims.numel() != kMoeDimsLen || table.dim() != 2 || !table.is_contiguous() ||
+      table.scalar_type() != at::kLong || table.size(1) != 6)
+    return false;
+  const int64_t* d = dims.data_ptr<int64_t>();
+  const int64_t E = table.size(0), G = parts::a8w8_group();
+  if (d[0] != moe::kA8W8 || d[1] != hid || d[2] <= 0 || E <= 0 || d[6] < 1 || d[6] > E || d[3] * G < hid ||
+      d[3] * G - hid >= G || d[4] * G < d[2] || d[4] * G - d[2] >= G)
+    return false;
+  if (router.dim() != 4 || !router.is_contiguous() || router.size(2) != 64 ||
+      (router.scalar_type() != at::kFloat && router.scalar_type() != at::kBFloat16) ||
+      router.size(0) != (E + 63) / 64 || router.size(1) * router.size(3) != hid)
+    return false;
+  sp.on = true;
+  sp.router = router.data_ptr();
+  sp.router_bf16 = router.scalar_type() == at::kBFloat16;
+  sp.E = E, sp.router_np = router.size(0), sp.k = d[6], sp.norm = d[7] != 0;
+  sp.ex = moe::Experts(d[0], E, d[1], d[2], d[3], d[4], d[5] != 0, table.data_ptr<int64_t>(), 6, nullptr, 4);
+  return true;
+}
+
+// Router output panel p for the M rows hn (xf: the same rows widened to fp32, where float_linear widens bf16
+// activations): logits [M, E] in the model dtype, as float_linear(hn, router) computes them.
+template <typename T>
+void router_panel(const Sparse& sp, const T* hn, const float* xf, int64_t M, int64_t K, T* logits, int64_t p) {
+  const bool wide = std::is_same_v<T, c10::BFloat16> && parts::float_linear_widens_bf16();
+  if (sp.router_bf16) {
+    const auto* w = static_cast<const c10::BFloat16*>(sp.router);
+    if (wide) parts::float_panels<float, c10::BFloat16, T>(xf, K, w, logits, M, sp.E, p, p + 1);
+    else parts::float_panels<T, c10::BFloat16, T>(hn, K, w, logits, M, sp.E, p, p + 1);
+  } else {
+    const auto* w = static_cast<const float*>(sp.router);
+    if (wide) parts::float_panels<float, float, T>(xf, K, w, logits, M, sp.E, p, p + 1);
+    else parts::float_panels<T, float, T>(hn, K, w, logits, M, sp.E, p, p + 1);
+  }
+}
+
+// The routing of a step's logits [Tn, E] (route(), the ATen ops of the Python layer) and its plan; one thread
+// runs it inside the region (the ops' own parallel_for runs serially there). False on any failure (the caller
+// raises after the region).
+template <typename T>
+bool route_plan(const Sparse& sp, T* logits, int64_t Tn, char* plan_mem, moe::Plan& plan) noexcept {
+  try {
+    const at::ScalarType dt = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+    at::Tensor ids, weights;
+    std::tie(ids, weights) = route(at::from_blob(logits, {Tn, sp.E}, at::TensorOptions().dtype(dt)), sp.k, sp.norm);
+    ids = ids.contiguous(), weights = weights.contiguous();
+    plan = moe::plan_at(plan_mem, Tn, sp.k, sp.E, sizeof(T));
+    return moe::make_plan<T>(ids.data_ptr<int64_t>(), weights.data_ptr<T>(), plan) < 0;
+  } catch (...) {
+    return false;
+  }
 }
 
 // The step's buffers, kept per calling thread across calls and grown when a step needs more.
@@ -169,6 +323,7 @@ struct Step {
   const T* x_in;
   std::vector<const T*> in_norm, post_norm, q_norm, k_norm;
   std::vector<Lin> qkv, o, gate_up, down;
+  std::vector<Sparse> sparse;
   std::vector<T*> kc, vc;
   const T* final_norm;
   const int64_t* pos;
@@ -184,17 +339,31 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
   const int64_t Tn = s.T_, hid = s.hid, H = s.H, KVH = s.KVH, D = s.D, I = s.I, W = s.Wqkv, HD = s.H * s.D;
   const int64_t G = H / KVH;
   const size_t ab = static_cast<size_t>(parts::a8w8_act_bytes());
-  const int64_t kp_max = std::max({s.qkv[0].Kp, s.o[0].Kp, s.gate_up[0].Kp, s.down[0].Kp});
+  int64_t kp_max = 0, logits_n = 0;
+  size_t plan_max = 0, moe_max = 0;
+  bool any_sparse = false;
+  for (int64_t l = 0; l < s.L; ++l) {
+    kp_max = std::max({kp_max, s.qkv[l].Kp, s.o[l].Kp, s.gate_up[l].Kp, s.down[l].Kp});
+    const Sparse& sp = s.sparse[l];
+    if (!sp.on) continue;
+    any_sparse = true;
+    kp_max = std::max(kp_max, sp.ex.kp_h);
+    logits_n = std::max(logits_n, Tn * sp.E);
+    plan_max = std::max(plan_max, moe::plan_bytes(Tn, sp.k, sp.E, sizeof(T)));
+    moe_max = std::max(moe_max, moe::bufs_bytes(sp.ex, Tn, Tn * sp.k, sizeof(T), false));
+  }
   const bool redundant = Tn <= kRedundantRows;
   // Shared buffers, then one set per thread (each thread's on cache lines of its own).
   Carve c;
   const size_t o_qkv = c.take(Tn * W * sizeof(T)), o_q = c.take(Tn * HD * sizeof(T)),
                o_att = c.take(Tn * HD * sizeof(T)), o_y = c.take(Tn * hid * sizeof(T)),
-               o_gu = c.take(Tn * 2 * I * sizeof(T)), o_x = c.take(Tn * hid * sizeof(T));
+               o_gu = c.take(Tn * 2 * I * sizeof(T)), o_x = c.take(Tn * hid * sizeof(T)),
+               o_logits = c.take(logits_n * sizeof(T)), o_plan = c.take(plan_max), o_moe = c.take(moe_max);
   Carve per;
   const size_t p_res = per.take(Tn * hid * sizeof(T)), p_hn = per.take(Tn * std::max(hid, HD) * sizeof(T)),
                p_act = per.take(Tn * I * sizeof(T)), p_xu = per.take(Tn * kp_max * ab),
-               p_sc = per.take(Tn * sizeof(float)), p_k = per.take(D * sizeof(T));
+               p_sc = per.take(Tn * sizeof(float)), p_k = per.take(D * sizeof(T)),
+               p_xf = per.take(any_sparse ? Tn * hid * sizeof(float) : 0);
   const size_t shared_bytes = c.off, per_bytes = per.off;
   const int sets = redundant ? nt : 1;   // row-split steps use set 0 as the shared one
   char* base = ws.reserve(shared_bytes + per_bytes * std::max(sets, nt));
@@ -202,8 +371,10 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
   // thread that thread's home chunks (front << 32 | back). A thread takes the chunks of its home from the front,
   // one contiguous stretch of the weight per thread, then the others' from their backs: a thread slowed by the
   // host (or a team smaller than asked for) takes fewer chunks instead of holding up the others at the barrier.
-  std::atomic<int64_t>* items_ctr = ws.reserve_counters(static_cast<size_t>(s.L * (1 + 4 * nt) * kLine));
+  // Sparse layers: 4 counters each (router panels, gate_up items, down items, combine items) after the homes.
+  std::atomic<int64_t>* items_ctr = ws.reserve_counters(static_cast<size_t>(s.L * (1 + 4 * nt + 4) * kLine));
   std::atomic<int64_t>* homes = items_ctr + s.L * kLine;
+  std::atomic<int64_t>* moe_ctr = homes + s.L * 4 * nt * kLine;
   for (int64_t l = 0; l < s.L; ++l) {
     const Lin* lins[4] = {&s.qkv[l], &s.o[l], &s.gate_up[l], &s.down[l]};
     for (int j = 0; j < 4; ++j) {
@@ -219,7 +390,12 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
   T* yb = reinterpret_cast<T*>(base + o_y);
   T* gu = reinterpret_cast<T*>(base + o_gu);
   T* xb = reinterpret_cast<T*>(base + o_x);
+  T* logits = reinterpret_cast<T*>(base + o_logits);
+  char* plan_mem = base + o_plan;
+  char* moe_mem = base + o_moe;
   char* per_base = base + shared_bytes;
+  moe::Plan plan{};      // a sparse layer's pairs per expert: set by thread 0, read by all after a barrier
+  bool failed = false;   // the routing failed (raised after the region)
 
   const bool prof = g_prof_on.load(std::memory_order_relaxed);
   const auto t_fork = std::chrono::steady_clock::now();
@@ -242,6 +418,8 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
     char* xu = mine + p_xu;
     float* sc = reinterpret_cast<float*>(mine + p_sc);
     T* krow = reinterpret_cast<T*>(own + p_k);
+    float* xf = reinterpret_cast<float*>(mine + p_xf);
+    const bool wide = std::is_same_v<T, c10::BFloat16> && parts::float_linear_widens_bf16();
     const int64_t r_lo = redundant ? 0 : Tn * tid / team, r_hi = redundant ? Tn : Tn * (tid + 1) / team;
     auto rows_done = [&](Phase p) {
       if (!redundant) {
@@ -311,6 +489,57 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
         sc[r] = parts::a8w8_quantize_row(att + r * HD, HD, s.o[l].Kp, xu + r * s.o[l].Kp * ab);
       rows_done(kQuantO);
       gemv(s.o[l], home + nt * kLine, yb, kO);
+      const Sparse& sp = s.sparse[l];
+      if (sp.on) {   // Qwen3SparseMoe.forward: the router, its top-k, the experts (moe_parts.h), the combine
+        const moe::Experts& ex = sp.ex;
+        for (int64_t r = r_lo; r < r_hi; ++r) {
+          parts::add_rms_norm_row(yb + r * hid, res_in + r * hid, s.post_norm[l], hn + r * hid, res + r * hid, hid,
+                                  s.eps);
+          if (wide)
+            for (int64_t c = 0; c < hid; ++c) xf[r * hid + c] = to_f(hn[r * hid + c]);
+          sc[r] = parts::a8w8_quantize_row(hn + r * hid, hid, ex.kp_h, xu + r * ex.kp_h * ab);   // (1)
+        }
+        rows_done(kNormPost);
+        std::atomic<int64_t>* mc = moe_ctr + l * 4 * kLine;
+        for (int64_t p = mc[0].fetch_add(1, std::memory_order_relaxed); p < sp.router_np;
+             p = mc[0].fetch_add(1, std::memory_order_relaxed))
+          router_panel<T>(sp, hn, xf, Tn, hid, logits, p);
+        clk.mark(kRouter);
+#pragma omp barrier
+        clk.mark(kRouterWait);
+        if (tid == 0 && !route_plan<T>(sp, logits, Tn, plan_mem, plan)) failed = true;
+#pragma omp barrier
+        clk.mark(kRoute);
+        if (failed) break;
+        moe::Bufs b = moe::bufs_at(moe_mem, ex, Tn, plan.S, sizeof(T), false);
+        b.tok = xu, b.tsc = sc;   // (1): this thread's (or the shared) quantized rows
+        if (moe::needs_gather(plan)) {   // (2)
+          for (int64_t q = tid; q < plan.S; q += team) moe::gather_slot(ex, plan, b, q);
+#pragma omp barrier
+        }
+        clk.mark(kGather);
+        for (int64_t it = mc[kLine].fetch_add(1, std::memory_order_relaxed); it < plan.ng * ex.ch_gu;
+             it = mc[kLine].fetch_add(1, std::memory_order_relaxed))
+          moe::gate_up_item<T, T>(ex, plan, b, it);   // (3)
+        clk.mark(kExpGateUp);
+#pragma omp barrier
+        clk.mark(kExpGateUpWait);
+        for (int64_t q = tid; q < plan.S; q += team) moe::silu_slot<T, T>(ex, b, q);   // (4)
+#pragma omp barrier
+        clk.mark(kExpSilu);
+        for (int64_t it = mc[2 * kLine].fetch_add(1, std::memory_order_relaxed); it < plan.ng * ex.ch_dn;
+             it = mc[2 * kLine].fetch_add(1, std::memory_order_relaxed))
+          moe::down_item<T, T>(ex, plan, b, it);   // (5)
+        clk.mark(kExpDown);
+#pragma omp barrier
+        clk.mark(kExpDownWait);
+        for (int64_t it = mc[3 * kLine].fetch_add(1, std::memory_order_relaxed); it < Tn * ex.cchunks;
+             it = mc[3 * kLine].fetch_add(1, std::memory_order_relaxed))
+          moe::combine_item<T>(ex, plan, b, it, xb);   // (6): the layer's output rows
+#pragma omp barrier
+        clk.mark(kCombine);
+        continue;
+      }
       for (int64_t r = r_lo; r < r_hi; ++r) {
         parts::add_rms_norm_row(yb + r * hid, res_in + r * hid, s.post_norm[l], hn + r * hid, res + r * hid, hid, s.eps);
         sc[r] = parts::a8w8_quantize_row(hn + r * hid, hid, s.gate_up[l].Kp, xu + r * s.gate_up[l].Kp * ab);
@@ -330,6 +559,7 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
         parts::add_rms_norm_row(xb + r * hid, res + r * hid, s.final_norm, s.out + r * hid, res + r * hid, hid, s.eps);
     clk.mark(kFinal);
   }
+  TORCH_CHECK(!failed, "decode_layers: the routing of a sparse layer failed");
 }
 
 template <typename T>
@@ -378,12 +608,19 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
     s.L = L, s.T_ = Tn, s.hid = hid, s.H = H, s.KVH = KVH, s.D = D, s.eps = static_cast<float>(eps);
     s.x_in = static_cast<const T*>(x_in.data_ptr());
     s.Wqkv = (H + 2 * KVH) * D;
-    const at::Tensor& gu_scale = layers[kGateUpScale];
-    if (gu_scale.dim() != 1 || gu_scale.size(0) % 2 != 0) return {};
-    s.I = gu_scale.size(0) / 2;
+    s.I = 0;   // the dense layers' intermediate width (none: all layers sparse)
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* w = layers.data() + l * kPerLayer;
+      if (is_sparse(w)) continue;
+      const at::Tensor& gu_scale = w[kGateUpScale];
+      if (gu_scale.dim() != 1 || gu_scale.size(0) % 2 != 0) return {};
+      s.I = gu_scale.size(0) / 2;
+      break;
+    }
     bool ok = true;
     for (auto* v : {&s.in_norm, &s.post_norm, &s.q_norm, &s.k_norm}) v->reserve(L);
     for (auto* v : {&s.qkv, &s.o, &s.gate_up, &s.down}) v->reserve(L);
+    s.sparse.reserve(L);
     s.kc.reserve(L), s.vc.reserve(L);
     for (int64_t l = 0; l < L && ok; ++l) {
       const at::Tensor* w = layers.data() + l * kPerLayer;
@@ -392,11 +629,16 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
       s.q_norm.push_back(ptr_of<T>(w[kQNorm], D, dt, ok));
       s.k_norm.push_back(ptr_of<T>(w[kKNorm], D, dt, ok));
       Lin a{}, b{}, c{}, d{};
+      Sparse sp{};
+      c.chunk = d.chunk = 1;   // a sparse layer's (no panels)
       ok = ok && make_lin(w[kQkvPacked], w[kQkvScale], w[kQkvColsum], hid, s.Wqkv, nt, a) &&
-           make_lin(w[kOPacked], w[kOScale], w[kOColsum], H * D, hid, nt, b) &&
-           make_lin(w[kGateUpPacked], w[kGateUpScale], w[kGateUpColsum], hid, 2 * s.I, nt, c) &&
-           make_lin(w[kDownPacked], w[kDownScale], w[kDownColsum], s.I, hid, nt, d);
-      s.qkv.push_back(a), s.o.push_back(b), s.gate_up.push_back(c), s.down.push_back(d);
+           make_lin(w[kOPacked], w[kOScale], w[kOColsum], H * D, hid, nt, b);
+      if (is_sparse(w))
+        ok = ok && make_sparse(w, hid, sp);
+      else
+        ok = ok && make_lin(w[kGateUpPacked], w[kGateUpScale], w[kGateUpColsum], hid, 2 * s.I, nt, c) &&
+             make_lin(w[kDownPacked], w[kDownScale], w[kDownColsum], s.I, hid, nt, d);
+      s.qkv.push_back(a), s.o.push_back(b), s.gate_up.push_back(c), s.down.push_back(d), s.sparse.push_back(sp);
       const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
       ok = ok && kc.scalar_type() == dt && vc.scalar_type() == dt && kc.is_contiguous() && vc.is_contiguous() &&
            kc.sizes() == kc0.sizes() && vc.dim() == 4 && vc.size(0) == kc.size(0) && vc.size(1) == KVH &&
@@ -421,6 +663,15 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
 }
 
 }  // namespace
+
+// The sparse layers' routing (route above) on router logits [T, E]: what the region and the op path compute, for
+// the tests against layers/moe.py's route().
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob) {
+  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "moe_route: logits must be float32 or bfloat16 [T, E]");
+  TORCH_CHECK(top_k >= 1 && top_k <= logits.size(1), "moe_route: top_k must be in [1, ", logits.size(1), "]");
+  return route(logits, top_k, norm_topk_prob);
+}
 
 // Seconds per thread and phase of the one-region steps since the last call ([threads, phases + 1], the last
 // column the number of steps in row 0), then resets; `enable` switches the accounting on or off from now on.
