@@ -361,7 +361,9 @@ def test_isa_paths_give_the_same_bits(tmp_path):
     for lib, isa in (("qwen3_w4a16_noavx512", "avx2"), ("qwen3_w4a16_scalar", "scalar")):   # build.ISA_FLAGS
         out = tmp_path / lib
         out.mkdir()
-        cpp_extension.load(name=lib, sources=[str(build.CSRC / "w4a16.cpp")], build_directory=str(out),
+        # memory.cpp: the packing's huge-page buffers (stream_zeros)
+        sources = [str(build.CSRC / "w4a16.cpp"), str(build.CSRC / "memory.cpp")]
+        cpp_extension.load(name=lib, sources=sources, build_directory=str(out),
                            extra_cflags=build._cflags(isa) + [f"-DQK_W4A16_LIB={lib}"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         got = getattr(torch.ops, lib).w4a16_linear(x, *prepared)
