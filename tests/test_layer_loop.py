@@ -88,12 +88,11 @@ def test_decode_steps_run_in_one_region_with_the_same_bits_at_any_thread_count(a
     assert prof.shape[0] == threads
 
 
-def test_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(a8w8_ckpt):
-    eng = make_engine(a8w8_ckpt, dtype="bfloat16", max_num_seqs=16, kv_cache_memory="8MiB", max_model_len=256)
-    prompts = _prompts(eng, 16)
-    calls = []
+def _assert_loop_ids_equal_the_python_loop(eng, prompts, steps: int, solo: int) -> None:
+    """Greedy ids of `prompts` batched with the layer loop (checked to run every step) equal the Python loop's
+    (checked not to run it), and the first `solo` prompts alone give their batched ids."""
     model = eng.runner.model
-    loop = model.layer_loop
+    loop, calls = model.layer_loop, []
 
     class Counting:
         applies = staticmethod(loop.applies)
@@ -103,15 +102,20 @@ def test_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(a8w8_ck
             return loop(*a)
 
     model.layer_loop = Counting()
-    fast = [r["output_ids"] for r in eng.generate(prompts, _greedy(eng, 24))]
-    assert len(calls) >= 24
-    solo = [eng.generate([p], _greedy(eng, 24))[0]["output_ids"] for p in prompts[:3]]
+    fast = [r["output_ids"] for r in eng.generate(prompts, _greedy(eng, steps))]
+    assert len(calls) >= steps
+    alone = [eng.generate([p], _greedy(eng, steps))[0]["output_ids"] for p in prompts[:solo]]
     model.use_layer_loop = False
     calls.clear()
-    slow = [r["output_ids"] for r in eng.generate(prompts, _greedy(eng, 24))]
+    slow = [r["output_ids"] for r in eng.generate(prompts, _greedy(eng, steps))]
     assert not calls
     assert fast == slow
-    assert solo == fast[:3]
+    assert alone == fast[:solo]
+
+
+def test_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(a8w8_ckpt):
+    eng = make_engine(a8w8_ckpt, dtype="bfloat16", max_num_seqs=16, kv_cache_memory="8MiB", max_model_len=256)
+    _assert_loop_ids_equal_the_python_loop(eng, _prompts(eng, 16), steps=24, solo=3)
 
 
 def test_python_loop_where_the_layer_loop_does_not_apply(a8w8_ckpt, bf16_ckpt):
@@ -215,26 +219,7 @@ def test_moe_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(ckp
     """Through the engine: the same greedy ids with the layer loop on and off, and batched as alone."""
     eng = make_engine(_moe_mixed(ckpts), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="8MiB",
                       max_model_len=256)
-    model = eng.runner.model
-    prompts = _prompts(eng, 8)
-    loop, calls = model.layer_loop, []
-
-    class Counting:
-        applies = staticmethod(loop.applies)
-
-        def __call__(self, *a):
-            calls.append(1)
-            return loop(*a)
-
-    model.layer_loop = Counting()
-    fast = [r["output_ids"] for r in eng.generate(prompts, _greedy(eng, 16))]
-    assert len(calls) >= 16
-    solo = [eng.generate([p], _greedy(eng, 16))[0]["output_ids"] for p in prompts[:2]]
-    model.use_layer_loop = False
-    calls.clear()
-    slow = [r["output_ids"] for r in eng.generate(prompts, _greedy(eng, 16))]
-    assert not calls
-    assert fast == slow and solo == fast[:2]
+    _assert_loop_ids_equal_the_python_loop(eng, _prompts(eng, 8), steps=16, solo=2)
 
 
 def test_moe_python_loop_where_the_region_does_not_take_the_experts(moe_bf16_ckpt, ckpts):

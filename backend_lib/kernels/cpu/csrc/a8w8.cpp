@@ -46,8 +46,6 @@
 #include "parts.h"
 #include "vec.h"
 
-#include <type_traits>
-#include <vector>
 
 namespace qk {
 namespace {

@@ -66,8 +66,6 @@ std::mutex g_mu;
 std::shared_ptr<Mapping> g_arena;   // the arena tensors are carved from now
 #endif
 
-}  // namespace
-
 at::Tensor stream_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   int64_t numel = 1;
   for (const int64_t s : sizes) numel *= s;
@@ -95,6 +93,8 @@ at::Tensor stream_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
 #endif
   return at::empty(sizes, opts);
 }
+
+}  // namespace
 
 at::Tensor stream_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
   at::Tensor t = stream_empty(sizes, dtype);

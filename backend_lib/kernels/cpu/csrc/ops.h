@@ -38,8 +38,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList layers, at::TensorL
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                          const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale);
 at::Tensor decode_layers_profile(bool enable);
-// memory.cpp: a CPU tensor for a large buffer streamed every step (packed weights, KV pools), on huge pages
-at::Tensor stream_empty(at::IntArrayRef sizes, at::ScalarType dtype);
+// memory.cpp: a zeroed CPU tensor for a large buffer streamed every step (packed weights, KV pools), on huge pages
 at::Tensor stream_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
