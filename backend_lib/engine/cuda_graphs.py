@@ -222,7 +222,11 @@ class VerifyGraphs(_Graphs):
         return self._replay(n)[:lay.rows], seqs
 
     def _step(self, n: int) -> torch.Tensor:
+        # views by narrow / unbind (what [...] gives, but these also run on fake CUDA tensors in a CPU-only torch:
+        # tests/test_no_host_sync.py runs this body under FakeTensorMode)
         t = self.num_rows(n)
-        meta = AttentionMetadata(slot_mapping=self.tokens[2, :t], block_tables=self.tables[:n + 1],
-                                 query_start_loc=self.layout_buf[0, :n + 2], seq_lens=self.layout_buf[1, :n + 1])
-        return self.runner.step_logits(self.tokens[0, :t], self.tokens[1, :t], meta)
+        ids, positions, slots = (x.narrow(0, 0, t) for x in self.tokens.unbind(0))
+        qsl, lens = self.layout_buf.unbind(0)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=self.tables.narrow(0, 0, n + 1),
+                                 query_start_loc=qsl.narrow(0, 0, n + 2), seq_lens=lens.narrow(0, 0, n + 1))
+        return self.runner.step_logits(ids, positions, meta)

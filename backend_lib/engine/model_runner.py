@@ -65,7 +65,7 @@ class ModelRunner:
         if cfg.cuda_graphs and device.type == "cuda" and kernels.name == "triton":
             max_pages = -(-max_model_len // cfg.page_size)
             self.graphs = DecodeGraphs(self, cfg.max_num_seqs, max_pages)
-            if cfg.speculative is not None:
+            if cfg.speculative is not None and cfg.speculative.method != "eagle3":   # a head's steps are eager (aux)
                 self.verify_graphs = VerifyGraphs(self, cfg.max_num_seqs, max_pages,
                                                   cfg.speculative.num_speculative_tokens)
         self.fault_every = fault_every
