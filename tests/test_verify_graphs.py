@@ -111,9 +111,15 @@ def _restore(runner, state):
         t.copy_(s)
 
 
-@pytest.mark.parametrize("kv_cache", ["bf16", "tq"])
-def test_a_padded_verification_equals_the_eager_step_and_padding_writes_nothing(a8w8_ckpt, kv_cache):
-    runner = _runner(a8w8_ckpt, kv_cache)
+@pytest.mark.parametrize("ckpt,kv_cache", [("a8w8_ckpt", "bf16"), ("a8w8_ckpt", "tq"), ("moe_a8w8_ckpt", "bf16")])
+def test_a_padded_verification_equals_the_eager_step_and_padding_writes_nothing(request, ckpt, kv_cache):
+    """The dense and the TurboQuant cache, and Qwen3-MoE through the fused Triton MoE (the padding rows route to
+    experts of their own and share their blocks with real rows)."""
+    runner = _runner(request.getfixturevalue(ckpt), kv_cache)
+    if ckpt.startswith("moe"):
+        from backend_lib.kernels.triton.experts import PackedExperts
+
+        assert any(isinstance(m, PackedExperts) for m in runner.model.modules())
     plan = _step()
     graphs = VerifyGraphs(runner, 4, 4, 2, capture=False)
     before = _pools(runner)
