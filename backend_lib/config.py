@@ -36,7 +36,7 @@ class EngineConfig:
     kernels: str = "auto"                  # auto | reference | cpu | triton | npu
     lm_head_quant: str = "checkpoint"      # checkpoint (the head as stored) | int8 (per-channel, the A8W8 kernel)
     kernel_cache_dir: str | None = None
-    cuda_graphs: bool = True               # decode replayed from CUDA graphs (CUDA + the Triton kernels)
+    cuda_graphs: bool = True               # decode and [spec] verification from CUDA graphs (CUDA + Triton)
     num_threads: int | None = None         # default: one per core of cpu_cores, else torch's
     cpu_cores: str | None = None           # '0-3,6': the cores this engine computes on (cpu_policy.py)
     cpu_share: str | None = None           # set by the launcher: the cores shared with the other LLM models

@@ -52,3 +52,54 @@ def served_both(server, jobs, spec_model, plain_model="qwen3_plain"):
         res = list(pool.map(one, work))
     return res[:len(jobs)], res[len(jobs):]
 
+
+
+# ----- verification steps without an engine (the verification graphs' tests) ------------------------------------
+class VerifyingSeq:
+    """What a verification step reads of a sequence (engine/cuda_graphs.py, ModelRunner.prepare): its tokens
+    (prompt + output), the drafts after them, how many are cached, its pages. One token pending: decoding."""
+
+    def __init__(self, tokens, drafts, table, lora=None):
+        self.tokens, self.spec_tokens, self.block_table, self.lora = list(tokens), list(drafts), list(table), lora
+        self.num_computed = len(self.tokens) - 1
+        self.params = self.prompt_logprobs = None
+
+    @property
+    def num_tokens(self):
+        return len(self.tokens)
+
+    @property
+    def num_pending(self):
+        return len(self.tokens) - self.num_computed
+
+    def plan(self):
+        """(self, rows) as the scheduler plans a decode with its drafts."""
+        return self, 1 + len(self.spec_tokens)
+
+
+class KnowingProposer:
+    """A proposer (spec/decoder.py's interface) that drafts from the known output of each prompt: by turns (the
+    tokens a request has emitted, mod 3) all right, right then wrong, or nothing, so that a step mixes full
+    verifications, early rejections and plain decode rows. Verification is exact whatever the drafts are."""
+
+    def __init__(self, outputs: dict[tuple, list[int]]):
+        self.outputs = outputs
+
+    def new_state(self, seq):
+        return None
+
+    def propose(self, rows):
+        out = []
+        for r in rows:
+            n = len(r.seq.output_ids)
+            right = self.outputs[tuple(r.seq.prompt_ids)][n:n + r.room]
+            turn = (n + len(r.seq.prompt_ids)) % 3
+            wrong = [right[0], right[0] ^ 1][:r.room]     # (x ^ 1: another id inside an even vocabulary)
+            out.append(right if turn == 0 else wrong if turn == 1 else [])
+        return out
+
+    def commit(self, seq, state, accepted):
+        pass
+
+    def free(self, seq, state):
+        pass

@@ -77,6 +77,18 @@ def test_a_decode_step_with_the_triton_kernels_never_syncs(a8w8_ckpt, kv_cache):
     assert tuple(logits.shape) == (3, runner.model.cfg.vocab_size)
 
 
+@pytest.mark.parametrize("kv_cache", ["bf16", "tq"])
+def test_a_verification_graphs_step_never_syncs(a8w8_ckpt, kv_cache):
+    """[spec] What a verification graph holds (engine/cuda_graphs.py's VerifyGraphs._step over its device buffers:
+    bucket 4, k = 2, 13 rows over 5 sequence slots, several rows a sequence) reads nothing on the host either."""
+    from backend_lib.engine.cuda_graphs import VerifyGraphs
+
+    runner, mode = _runner(a8w8_ckpt, TRITON, kv_cache)
+    with mode, torch.no_grad():
+        logits = VerifyGraphs(runner, 4, 16, 2, capture=False)._step(4)
+    assert logits.device.type == "cuda" and tuple(logits.shape) == (13, runner.model.cfg.vocab_size)
+
+
 def test_the_check_catches_a_host_sync(a8w8_ckpt):
     """The Triton set with the reference's attention, which reads query_start_loc and seq_lens on the host."""
     runner, mode = _runner(a8w8_ckpt, replace(TRITON, paged_attention=REFERENCE.paged_attention), "bf16")

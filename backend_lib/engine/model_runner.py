@@ -14,7 +14,7 @@ from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
 from ..sampling.sampler import Sampler
 from ..spec.decoder import SpecDecoder
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, VerifyGraphs, step_rows
 from .sequence import Sequence
 from .step import PromptLogprobs, StepPlan, StepResult
 from .warmup import CudaMemory, kv_budget_after_warmup, warm_up
@@ -59,10 +59,15 @@ class ModelRunner:
                 self.model.attach_lora(self.lora_ctx, kernels)
             else:
                 attach(self.model, self.lora_ctx, kernels)
-        # decode replayed from CUDA graphs: the Triton set only (its KV writes skip the padding rows)
-        self.graphs = None
+        # decode replayed from CUDA graphs: the Triton set only (its KV writes skip the padding rows); [spec] and
+        # verification steps, k + 1 rows a sequence (engine/cuda_graphs.py)
+        self.graphs = self.verify_graphs = None
         if cfg.cuda_graphs and device.type == "cuda" and kernels.name == "triton":
-            self.graphs = DecodeGraphs(self, cfg.max_num_seqs, -(-max_model_len // cfg.page_size))
+            max_pages = -(-max_model_len // cfg.page_size)
+            self.graphs = DecodeGraphs(self, cfg.max_num_seqs, max_pages)
+            if cfg.speculative is not None and cfg.speculative.method != "eagle3":   # a head's steps are eager (aux)
+                self.verify_graphs = VerifyGraphs(self, cfg.max_num_seqs, max_pages,
+                                                  cfg.speculative.num_speculative_tokens)
         self.fault_every = fault_every
         self.steps = 0
         self.aux_layers: tuple[int, ...] | None = None   # [spec] EAGLE-3: the layers its head reads (spec/eagle3.py)
@@ -77,16 +82,15 @@ class ModelRunner:
         qsl, lens, tables, sample_rows, sample_seqs = [0], [], [], [], []
         for seq, n in plan:
             start = seq.num_computed
-            tokens = seq.tokens + seq.spec_tokens if seq.spec_tokens else seq.tokens   # [spec] drafts after them
-            ids.extend(tokens[start:start + n])
-            positions.extend(range(start, start + n))
-            bt = seq.block_table
-            slots.extend(bt[p // S] * S + p % S for p in range(start, start + n))
+            i, p, s = step_rows(seq, n, S)   # [spec] a verifying sequence's drafts after its tokens
+            ids.extend(i)
+            positions.extend(p)
+            slots.extend(s)
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
-            tables.append(bt)
-            if start + n == len(tokens):   # [spec] a verifying sequence samples its last k + 1 rows
-                k = len(seq.spec_tokens)
+            tables.append(seq.block_table)
+            k = len(seq.spec_tokens)
+            if start + n == seq.num_tokens + k:   # [spec] a verifying sequence samples its last k + 1 rows
                 sample_rows.extend(range(qsl[-1] - 1 - k, qsl[-1]))
                 sample_seqs.extend([seq] * (k + 1))
         width = max(len(t) for t in tables)
@@ -129,6 +133,11 @@ class ModelRunner:
         """The device side of a decode step, from device tensors only: fp32 logits [B, vocab]. Nothing here
         reads a device value on the host (tests/test_no_host_sync.py runs it under FakeTensorMode)."""
         meta, positions = AttentionMetadata.for_decode(block_tables, context_lens, self.page_size)
+        return self.step_logits(input_ids, positions, meta)
+
+    def step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """fp32 logits [T, vocab] of every row of a step laid out on the device ([spec] the verification graphs'
+        step): the base model's forward, no host read."""
         return self.model.logits(self.model(input_ids, positions, self.kv_cache, meta))
 
     @torch.inference_mode()
@@ -144,10 +153,13 @@ class ModelRunner:
         # [spec] rows of sequences an EAGLE-3 head drafts for: their aux hidden states too (the Python loop)
         aux = self.aux_layers is not None and any(self.wants_aux(seq) for seq, _ in steps)
         # a step with LoRA rows runs eagerly (the graphs hold the base model's forward only)
-        if self.graphs is not None and not aux and self.is_decode(steps) and not any(seq.lora for seq, _ in steps) \
+        base = not aux and not any(seq.lora for seq, _ in steps)
+        if self.graphs is not None and base and self.is_decode(steps) \
                 and self.graphs.fits(len(steps), max(len(seq.block_table) for seq, _ in steps)):
             seqs = [seq for seq, _ in steps]
             logits = self.graphs.run(*self.decode_inputs(steps))
+        elif self.verify_graphs is not None and base and self.verify_graphs.fits(steps):   # [spec]
+            logits, seqs = self.verify_graphs.run(steps)
         else:
             input_ids, positions, meta, rows, seqs = self.prepare(steps)
             hidden = self.forward(steps, input_ids, positions, meta, aux)
