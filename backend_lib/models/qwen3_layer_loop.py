@@ -3,14 +3,18 @@
 The compiled op runs the same kernel functions as the Python layers, in the same order, so its hidden states
 are bit-identical to Qwen3ForCausalLM's Python loop (the reference of behaviour, tests/test_layer_loop.py);
 it only removes the interpreter between ~200 kernel calls a step. It applies where that path would compute
-nothing else: the `cpu` kernel set, every projection a plain A8W8Linear, a dense KV cache; Qwen3-MoE's sparse
-layers (layers/moe.py) where the router is a FloatLinear, the routing layers/moe.py's route() and the experts
-A8W8 in the set's native op (kernels/cpu/moe.py's table, the one the Python layer uses). Anything else (float or
-int4 weights or experts, TurboQuant, linears wrapped with per-row features, expert parallelism) takes the Python
-loop.
+nothing else: the `cpu` kernel set, every projection a plain A8W8Linear or a W4A16Linear without a column
+permutation (each linear of its own kind, as the checkpoint has it), a dense KV cache; Qwen3-MoE's sparse layers
+(layers/moe.py) where the router is a FloatLinear, the routing layers/moe.py's route() and the experts A8W8 or
+W4A16 in the set's native op (kernels/cpu/moe.py's table_of, the table the Python layer uses). Anything else
+(float weights or experts, GPTQ act-order int4 weights, TurboQuant, linears wrapped with per-row features, expert
+parallelism) takes the Python loop.
 
-A sparse layer's MLP slots in the op's list: the router's packed weight, the experts' table and lut, its dims
-(moe_experts' six, then top_k and norm_topk_prob, int64), two empty tensors (csrc/decode_layers.cpp, kMoeDims).
+Per layer the op's list holds the four norms, each linear's first three prepared tensors (A8W8: packed, scale,
+colsum; W4A16: packed, scales, zeros), and last a float64 [4, 2]: per linear (qkv, o, gate_up, down) its output
+width and its W4A16 lut_zero (-1 for A8W8, or no batch-1 table lookup). A sparse layer's MLP slots: the router's
+packed weight, the experts' table and lut, its dims (moe_experts' six, then top_k and norm_topk_prob, int64),
+two empty tensors (csrc/decode_layers.cpp, kMoeDims).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-// The decoder's layer loop in C++: every layer of a Qwen3 step (A8W8 linears, dense paged KV cache) with no
-// return to Python between the kernels.
+// The decoder's layer loop in C++: every layer of a Qwen3 step (A8W8 or W4A16 linears, dense paged KV cache) with
+// no return to Python between the kernels.
 //
 // Decode steps (one new token per sequence, up to kMaxFusedRows sequences) run the whole step in ONE OpenMP
 // parallel region with a workspace kept across calls: the threads stay in the region from the first layer to
@@ -15,14 +15,18 @@
 // full pages), so they need no barrier of their own. The region runs the kernels' pieces (parts.h), the very
 // code of the ops, each output row, panel and work item computed by one thread in the op's order, so the hidden
 // states and the KV cache are bit-identical to the ops' (and to the Python layer loop), whatever the batch and
-// the thread count.
+// the thread count. A W4A16 linear's input rows are widened to fp32 (w4a16_linear's widening) and its panels are
+// w4a16_panel_range's, in pairs (the op's chunk); at batch 1 each thread takes the table lookup where the op does
+// (the weight's lut_zero, w4a16_lut_row on the row it reads: every copy of the row the same bits, the same answer).
 //
-// A Qwen3-MoE sparse layer (A8W8 experts) stays in the region too: the router GEMV (float_linear's panels, one
+// A Qwen3-MoE sparse layer (A8W8 or W4A16 experts) stays in the region too: the router GEMV (float_linear's panels, one
 // per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's route()
 // (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
 // parallel_for runs serially) and plans the pairs per expert, while the others wait at a barrier; then the
 // experts' phases of moe_parts.h (the native MoE op's code: gate_up items, SwiGLU, down items, the combine into
-// the layer's output rows), a barrier after each. Batch 1 reads the router and its k experts' weights only.
+// the layer's output rows), a barrier after each; the token rows prepared as the MoE op prepares them for the
+// experts' kind (moe::prepare: quantized, or widened to fp32). Batch 1 reads the router and its k experts' weights
+// only.
 //
 // Other steps (prefill chunks, mixed steps) call the ops one after another as the Python layers do (models/
 // qwen3.py, layers/attention.py, layers/mlp.py), with the same arguments in the same order: each op opens its
