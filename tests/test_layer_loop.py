@@ -223,8 +223,10 @@ def test_moe_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(ckp
 
 
 def test_moe_python_loop_where_the_region_does_not_take_the_experts(moe_bf16_ckpt, ckpts):
-    """Float or int4 experts (their attention is not A8W8 either) keep the Python loop."""
-    for ckpt in (moe_bf16_ckpt, ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe")):
+    """Float experts (their attention is float too) and int4 weights with a column permutation (GPTQ desc_act)
+    keep the Python loop."""
+    for ckpt in (moe_bf16_ckpt, ckpts.get("tiny-gptq-g64-asym-descact", "gptq", group_size=64, symmetric=False,
+                                          desc_act=True)):
         eng = make_engine(ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
         assert not eng.runner.model.layer_loop.applies(eng.runner.kv_cache)
 
@@ -269,3 +271,57 @@ def test_the_regions_routing_is_layers_moe_route_bit_for_bit(dtype):
                     ref_ids, ref_w = route(x, k, norm)
                     assert torch.equal(ids, ref_ids) and w.dtype == dtype
                     assert torch.equal(w.isnan(), ref_w.isnan()) and torch.equal(w.nan_to_num(), ref_w.nan_to_num())
+
+
+# ----- W4A16 (int4 weights, float activations): dense and Qwen3-MoE models in the region ------------------------
+
+def _w4a16(ckpts, which):
+    """sym: compressed-tensors pack-quantized, symmetric, group 32 (every weight's batch-1 table lookup exact);
+    asym: group 64 with zero points (no table lookup); moe: tiny Qwen3-MoE, W4A16 attention and experts."""
+    if which == "sym":
+        return ckpts.get("tiny-w4a16", "w4a16")
+    if which == "asym":
+        return ckpts.get("tiny-ct-g64-asym", "w4a16", group_size=64, symmetric=False)
+    return ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 5])
+@pytest.mark.parametrize("which,dtype", [("sym", "bfloat16"), ("sym", "float32"), ("asym", "bfloat16"),
+                                         ("moe", "bfloat16")])
+def test_w4a16_decode_steps_run_in_one_region_with_the_python_loops_bits(ckpts, which, dtype, batch, threads):
+    """W4A16 linears (and W4A16 experts) in the one region: the hidden states, logits and KV caches of every step
+    bit-identical to the Python loop (w4a16_linear, the native MoE op), batch 1 (the table lookup where the
+    weight and the row are exact: fp32 rows mostly are not), 2 and 5, 1 and 2 threads."""
+    if which == "asym" and (batch, threads) != (1, 2) or dtype == "float32" and batch == 2:
+        pytest.skip("covered by the other cases")
+    eng = make_engine(_w4a16(ckpts, which), dtype=dtype, max_num_seqs=8, kv_cache_memory="4MiB", max_model_len=256)
+    model = eng.runner.model
+    lins = [lin for layer in model.layers for lin in model.layer_loop._linears(layer)]
+    assert lins and all(type(lin).__name__ == "W4A16Linear" for lin in lins)
+    assert all((lin.prepared[5] >= 0) == (which != "asym") for lin in lins)   # the lookup's weights (or none)
+    assert model.layer_loop.applies(eng.runner.kv_cache)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.qwen3_cpu.decode_layers_profile(True)
+        twin = Twin(eng)
+        eng.generate(_prompts(eng, batch), _greedy(eng))
+        prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
+    finally:
+        torch.set_num_threads(old)
+    assert twin.decode_steps >= 11 and batch in twin.batches
+    assert prof[0, -1].item() == twin.decode_steps   # every decode step in the region
+    assert prof[:, _phase("qkv")].sum().item() > 0
+    if which == "moe":
+        assert prof[:, _phase("expGateUp")].sum().item() > 0 and prof[:, _phase("gateUp")].sum().item() == 0
+    else:
+        assert prof[:, _phase("gateUp")].sum().item() > 0
+
+
+@pytest.mark.parametrize("which", ["sym", "moe"])
+def test_w4a16_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(ckpts, which):
+    """Through the engine: the same greedy ids with the layer loop on and off, and batched as alone."""
+    eng = make_engine(_w4a16(ckpts, which), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="8MiB",
+                      max_model_len=256)
+    _assert_loop_ids_equal_the_python_loop(eng, _prompts(eng, 8), steps=16, solo=2)

@@ -3,22 +3,26 @@
 The compiled op runs the same kernel functions as the Python layers, in the same order, so its hidden states
 are bit-identical to Qwen3ForCausalLM's Python loop (the reference of behaviour, tests/test_layer_loop.py);
 it only removes the interpreter between ~200 kernel calls a step. It applies where that path would compute
-nothing else: the `cpu` kernel set, every projection a plain A8W8Linear, a dense KV cache; Qwen3-MoE's sparse
-layers (layers/moe.py) where the router is a FloatLinear, the routing layers/moe.py's route() and the experts
-A8W8 in the set's native op (kernels/cpu/moe.py's table, the one the Python layer uses). Anything else (float or
-int4 weights or experts, TurboQuant, linears wrapped with per-row features, expert parallelism) takes the Python
-loop.
+nothing else: the `cpu` kernel set, every projection a plain A8W8Linear or a W4A16Linear without a column
+permutation (each linear of its own kind, as the checkpoint has it), a dense KV cache; Qwen3-MoE's sparse layers
+(layers/moe.py) where the router is a FloatLinear, the routing layers/moe.py's route() and the experts A8W8 or
+W4A16 in the set's native op (kernels/cpu/moe.py's table_of, the table the Python layer uses). Anything else
+(float weights or experts, GPTQ act-order int4 weights, TurboQuant, linears wrapped with per-row features, expert
+parallelism) takes the Python loop.
 
-A sparse layer's MLP slots in the op's list: the router's packed weight, the experts' table and lut, its dims
-(moe_experts' six, then top_k and norm_topk_prob, int64), two empty tensors (csrc/decode_layers.cpp, kMoeDims).
+Per layer the op's list holds the four norms, each linear's first three prepared tensors (A8W8: packed, scale,
+colsum; W4A16: packed, scales, zeros), and last a float64 [4, 2]: per linear (qkv, o, gate_up, down) its output
+width and its W4A16 lut_zero (-1 for A8W8, or no batch-1 table lookup). A sparse layer's MLP slots: the router's
+packed weight, the experts' table and lut, its dims (moe_experts' six, then top_k and norm_topk_prob, int64),
+two empty tensors (csrc/decode_layers.cpp, kMoeDims).
 """
 from __future__ import annotations
 
 import torch
 
 from ..kv_cache.dense import DenseKVCache
-from ..kernels.cpu.moe import A8W8, _table_of
-from ..layers.linear import A8W8Linear, FloatLinear
+from ..kernels.cpu.moe import A8W8, W4A16, table_of
+from ..layers.linear import A8W8Linear, FloatLinear, W4A16Linear
 from ..layers.mlp import Qwen3MLP
 from ..layers.moe import Qwen3SparseMoe
 
@@ -39,13 +43,20 @@ class LayerLoop:
         return (layer.self_attn.qkv_proj, layer.self_attn.o_proj) + dense
 
     @staticmethod
+    def _linear_ok(lin) -> bool:
+        """A plain A8W8Linear, or a W4A16Linear without a column permutation (desc_act: the Python loop)."""
+        if type(lin) is A8W8Linear:
+            return len(lin.prepared) == 3
+        return type(lin) is W4A16Linear and lin.prepared[3].numel() == 0 and lin.prepared[4] == lin.out_features
+
+    @staticmethod
     def _sparse_ok(mlp) -> bool:
         """A sparse layer the op computes as the Python layer does: route() on a FloatLinear router's logits, the
-        A8W8 experts through the CPU set's native op (its table)."""
+        A8W8 or W4A16 experts through the CPU set's native op (its table)."""
         if mlp.kernels.moe_route is not None or type(mlp.gate) is not FloatLinear or mlp.gate.prepared[0].dim() != 4:
             return False
-        table = _table_of(mlp.moe_weights)
-        return table is not None and table.dims[0] == A8W8
+        table = table_of(mlp.moe_weights)
+        return table is not None and table.dims[0] in (A8W8, W4A16)
 
     def applies(self, kv_cache) -> bool:
         if self.model.kernels.name != "cpu" or self.heads is None or type(kv_cache) is not DenseKVCache:
@@ -53,13 +64,13 @@ class LayerLoop:
         if self.linears_ok is None:   # the projections are fixed at load
             self.linears_ok = all(
                 (type(layer.mlp) is Qwen3MLP or (type(layer.mlp) is Qwen3SparseMoe and self._sparse_ok(layer.mlp)))
-                and all(type(lin) is A8W8Linear and len(lin.prepared) == 3 for lin in self._linears(layer))
+                and all(self._linear_ok(lin) for lin in self._linears(layer))
                 for layer in self.model.layers)
         return self.linears_ok
 
     @staticmethod
     def _sparse_tensors(mlp) -> list[torch.Tensor]:
-        table = _table_of(mlp.moe_weights)
+        table = table_of(mlp.moe_weights)
         dims = torch.tensor(list(table.dims) + [mlp.top_k, int(mlp.norm_topk_prob)], dtype=torch.int64)
         empty = torch.empty(0)
         return [mlp.gate.prepared[0], table.table, table.lut, dims, empty, empty]
@@ -70,10 +81,15 @@ class LayerLoop:
             for layer in self.model.layers:
                 a = layer.self_attn
                 flat += [layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm]
-                for lin in self._linears(layer):
-                    flat += list(lin.prepared)
+                lin_dims = [0.0, -1.0] * 4   # per linear: N, W4A16 lut_zero (csrc/decode_layers.cpp, kLinDims)
+                for j, lin in enumerate(self._linears(layer)):
+                    flat += list(lin.prepared[:3])   # A8W8: packed, scale, colsum; W4A16: packed, scales, zeros
+                    lin_dims[2 * j] = float(lin.out_features)
+                    if type(lin) is W4A16Linear:
+                        lin_dims[2 * j + 1] = float(lin.prepared[5])
                 if type(layer.mlp) is Qwen3SparseMoe:
                     flat += self._sparse_tensors(layer.mlp)
+                flat.append(torch.tensor(lin_dims, dtype=torch.float64))
             self.layers = [t.detach() for t in flat]
         return self.layers
 

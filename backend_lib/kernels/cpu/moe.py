@@ -74,7 +74,9 @@ def build_table(experts) -> _Table | None:
                   [kind, hidden, inter, aux[0], aux[1], bf16], keep)
 
 
-def _table_of(experts) -> _Table | None:
+def table_of(experts) -> _Table | None:
+    """The experts' table (built once, kept in the list's kernel_cache), or None where the op does not take them:
+    what the `moe` slot below runs, and what models/qwen3_layer_loop.py hands to the one-region decode step."""
     cache = getattr(experts, "kernel_cache", None)
     if cache is None:
         return build_table(experts)
@@ -85,7 +87,7 @@ def _table_of(experts) -> _Table | None:
 
 def cpu_moe(kernels, x, topk_ids, topk_weights, experts):
     """The `moe` slot (kernels/contract.py) of the CPU set."""
-    table = _table_of(experts)
+    table = table_of(experts)
     if (table is None or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu"
             or topk_ids.dtype != torch.int64 or topk_weights.dtype != x.dtype):
         return grouped_moe(kernels, x, topk_ids, topk_weights, experts)

@@ -1,5 +1,5 @@
-// The decoder's layer loop in C++: every layer of a Qwen3 step (A8W8 linears, dense paged KV cache) with no
-// return to Python between the kernels.
+// The decoder's layer loop in C++: every layer of a Qwen3 step (A8W8 or W4A16 linears, dense paged KV cache) with
+// no return to Python between the kernels.
 //
 // Decode steps (one new token per sequence, up to kMaxFusedRows sequences) run the whole step in ONE OpenMP
 // parallel region with a workspace kept across calls: the threads stay in the region from the first layer to
@@ -15,14 +15,18 @@
 // full pages), so they need no barrier of their own. The region runs the kernels' pieces (parts.h), the very
 // code of the ops, each output row, panel and work item computed by one thread in the op's order, so the hidden
 // states and the KV cache are bit-identical to the ops' (and to the Python layer loop), whatever the batch and
-// the thread count.
+// the thread count. A W4A16 linear's input rows are widened to fp32 (w4a16_linear's widening) and its panels are
+// w4a16_panel_range's, in pairs (the op's chunk); at batch 1 each thread takes the table lookup where the op does
+// (the weight's lut_zero, w4a16_lut_row on the row it reads: every copy of the row the same bits, the same answer).
 //
-// A Qwen3-MoE sparse layer (A8W8 experts) stays in the region too: the router GEMV (float_linear's panels, one
+// A Qwen3-MoE sparse layer (A8W8 or W4A16 experts) stays in the region too: the router GEMV (float_linear's panels, one
 // per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's route()
 // (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
 // parallel_for runs serially) and plans the pairs per expert, while the others wait at a barrier; then the
 // experts' phases of moe_parts.h (the native MoE op's code: gate_up items, SwiGLU, down items, the combine into
-// the layer's output rows), a barrier after each. Batch 1 reads the router and its k experts' weights only.
+// the layer's output rows), a barrier after each; the token rows prepared as the MoE op prepares them for the
+// experts' kind (moe::prepare: quantized, or widened to fp32). Batch 1 reads the router and its k experts' weights
+// only.
 //
 // Other steps (prefill chunks, mixed steps) call the ops one after another as the Python layers do (models/
 // qwen3.py, layers/attention.py, layers/mlp.py), with the same arguments in the same order: each op opens its
@@ -48,12 +52,18 @@ enum LayerTensor : int64_t {
   kOPacked, kOScale, kOColsum,
   kGateUpPacked, kGateUpScale, kGateUpColsum,
   kDownPacked, kDownScale, kDownColsum,
+  kLinDims,
   kPerLayer
 };
+// A linear's three slots hold an A8W8 weight (a8w8_pack'ed int8, w_scale, colsum) or a W4A16 one (w4a16_pack'ed
+// int32, scales, zeros; no column permutation), told apart by the packed weight's dtype. kLinDims: fp64 [4, 2],
+// per linear (qkv, o, gate_up, down) its output width N and its W4A16 lut_zero (-1: none, and for A8W8).
+enum LinSlot : int64_t { kLinQkv, kLinO, kLinGateUp, kLinDown };
+constexpr int64_t kLinDimsLen = 8;
 // A sparse (Qwen3-MoE) layer's MLP slots hold instead: kRouterPacked the router's float_pack'ed weight (E outputs),
 // kMoeTable / kMoeLut moe_experts' table and lut, kMoeDims int64 [8]: moe_experts' dims (kind, H, I, aux_gu,
 // aux_dn, bf16 weights), then top_k and norm_topk_prob; kDownScale and kDownColsum are unused (empty tensors).
-// kMoeDims' dtype marks the layer (int64, where a dense layer has its int8 packed down_proj).
+// kMoeDims' dtype marks the layer (int64, where a dense layer has its int8 / int32 packed down_proj).
 enum SparseTensor : int64_t { kRouterPacked = kGateUpPacked, kMoeTable = kGateUpScale, kMoeLut = kGateUpColsum,
                               kMoeDims = kDownPacked };
 constexpr int64_t kMoeDimsLen = 8;
@@ -158,6 +168,20 @@ struct PhaseClock {
   }
 };
 
+bool is_w4a16(const at::Tensor* w, int64_t j) { return w[kQkvPacked + 3 * j].scalar_type() == at::kInt; }
+
+// Linear j of the layer (LinSlot) as its layers/linear.py class computes it: a8w8_linear or w4a16_linear.
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor* w, int64_t j) {
+  const at::Tensor* p = w + kQkvPacked + 3 * j;
+  if (!is_w4a16(w, j)) return a8w8_linear(x, p[0], p[1], p[2]);
+  const at::Tensor dims = w[kLinDims].contiguous();
+  TORCH_CHECK(dims.scalar_type() == at::kDouble && dims.numel() == kLinDimsLen,
+              "decode_layers: a layer's linear dims must be float64 [4, 2]");
+  const double* d = dims.data_ptr<double>();
+  return w4a16_linear(x, p[0], p[1], p[2], at::empty({0}, x.options().dtype(at::kLong)),
+                      static_cast<int64_t>(d[2 * j]), d[2 * j + 1]);
+}
+
 at::Tensor decode_layers_ops(const at::Tensor& x_in, at::TensorList layers, at::TensorList k_caches,
                              at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -177,50 +201,87 @@ at::Tensor decode_layers_ops(const at::Tensor& x_in, at::TensorList layers, at::
     }
     // Qwen3Attention.forward
     at::Tensor q, k, v;
-    std::tie(q, k, v) = qk_norm_rope(a8w8_linear(h, w[kQkvPacked], w[kQkvScale], w[kQkvColsum]), w[kQNorm],
-                                     w[kKNorm], positions, cos_sin, H, KVH, eps);
+    std::tie(q, k, v) = qk_norm_rope(linear_op(h, w, kLinQkv), w[kQNorm], w[kKNorm], positions, cos_sin, H, KVH, eps);
     at::Tensor kc = k_caches[l], vc = v_caches[l];
     write_kv(k, v, kc, vc, slot_mapping);
     at::Tensor o = paged_attention(q, kc, vc, block_tables, query_start_loc, seq_lens, scale);
-    h = a8w8_linear(o.reshape({T, H * o.size(2)}), w[kOPacked], w[kOScale], w[kOColsum]);
+    h = linear_op(o.reshape({T, H * o.size(2)}), w, kLinO);
     std::tie(h, residual) = add_rms_norm(h, residual, w[kPostNorm], eps);
     if (is_sparse(w)) {   // Qwen3SparseMoe.forward
       x = sparse_mlp_ops(h, w);
       continue;
     }
     // Qwen3MLP.forward
-    x = a8w8_linear(silu_mul(a8w8_linear(h, w[kGateUpPacked], w[kGateUpScale], w[kGateUpColsum])), w[kDownPacked],
-                    w[kDownScale], w[kDownColsum]);
+    x = linear_op(silu_mul(linear_op(h, w, kLinGateUp)), w, kLinDown);
   }
   return std::get<0>(add_rms_norm(x, residual, final_norm, eps));
 }
 
-// One A8W8 linear of the region: its packed weight and the panels a thread takes at a time (a chunk).
+// One linear of the region: its weight and the panels a thread takes at a time (a chunk); A8W8 (kind moe::kA8W8:
+// w, scale, colsum, KG, Kp) or W4A16 (moe::kW4A16: w4, scale = its scales, zeros, G groups, lut_zero). Its input
+// rows (xbytes each): A8W8 quantized (a8w8_quantize_row), W4A16 widened to fp32, as w4a16_linear does.
 struct Lin {
+  int64_t kind;
   const int8_t* w;
+  const int32_t* w4;
   const float* scale;
   const int32_t* colsum;
-  int64_t N, NP, KG, Kp, chunk;
+  const float* zeros;
+  int64_t N, NP, KG, Kp, K, G, chunk;
+  float lut;
+  size_t xbytes;
 };
 
-// A linear's tensors as a8w8_linear would check them, for an input of K features; false if the region cannot
-// take it (the op path then runs, and raises its own error for a malformed weight).
-bool make_lin(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& colsum, int64_t K, int64_t N,
-              int nt, Lin& out) {
+// Linear j's tensors as a8w8_linear / w4a16_linear would check them, for an input of K features and N outputs;
+// false if the region cannot take it (the op path then runs, and raises its own error for a malformed weight).
+bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, Lin& out) {
+  const at::Tensor &packed = w[kQkvPacked + 3 * j], &scale = w[kQkvPacked + 3 * j + 1],
+                   &aux = w[kQkvPacked + 3 * j + 2], &dims = w[kLinDims];
+  if (dims.scalar_type() != at::kDouble || !dims.is_contiguous() || dims.numel() != kLinDimsLen ||
+      dims.data_ptr<double>()[2 * j] != static_cast<double>(N))
+    return false;
+  if (packed.scalar_type() == at::kInt) {   // W4A16: w4a16_linear's checks
+    constexpr int64_t P = moe::kPanelRows;
+    if (packed.dim() != 3 || !packed.is_contiguous() || packed.size(2) != P || scale.scalar_type() != at::kFloat ||
+        !scale.is_contiguous() || scale.dim() != 3 || aux.sizes() != scale.sizes() ||
+        aux.scalar_type() != at::kFloat || !aux.is_contiguous())
+      return false;
+    const int64_t NP = packed.size(0), G = scale.size(1);
+    if (NP != (N + P - 1) / P || scale.size(0) != NP || scale.size(2) != P || packed.size(1) != (K + 7) / 8 ||
+        G <= 0 || K % G != 0)
+      return false;
+    out = {moe::kW4A16, nullptr, packed.data_ptr<int32_t>(), scale.data_ptr<float>(), nullptr, aux.data_ptr<float>(),
+           N, NP, 0, 0, K, G, 2,   // w4a16_linear's chunk: panel pairs
+           static_cast<float>(dims.data_ptr<double>()[2 * j + 1]), static_cast<size_t>(K) * sizeof(float)};
+    return true;
+  }
   const int64_t P = parts::a8w8_panel(), G = parts::a8w8_group();
   if (packed.scalar_type() != at::kChar || packed.dim() != 4 || !packed.is_contiguous() || packed.size(2) != P ||
       packed.size(3) != G || scale.scalar_type() != at::kFloat || !scale.is_contiguous() || scale.dim() != 1 ||
-      scale.size(0) != N || colsum.scalar_type() != at::kInt || !colsum.is_contiguous() || colsum.numel() != N)
+      scale.size(0) != N || aux.scalar_type() != at::kInt || !aux.is_contiguous() || aux.numel() != N)
     return false;
   const int64_t NP = packed.size(0), KG = packed.size(1), Kp = KG * G;
   if (Kp < K || Kp - K >= G || NP != (N + P - 1) / P) return false;
-  out = {packed.data_ptr<int8_t>(), scale.data_ptr<float>(), colsum.data_ptr<int32_t>(), N, NP, KG, Kp,
-         std::max<int64_t>(1, NP / (8 * nt))};   // a8w8_linear's chunk
+  out = {moe::kA8W8, packed.data_ptr<int8_t>(), nullptr, scale.data_ptr<float>(), aux.data_ptr<int32_t>(), nullptr,
+         N, NP, KG, Kp, K, 0, std::max<int64_t>(1, NP / (8 * nt)),   // a8w8_linear's chunk
+         -1.f, static_cast<size_t>(Kp * parts::a8w8_act_bytes())};
   return true;
 }
 
+// Row r of a linear's input (src, K values) into its form for the GEMV: xu + r * xbytes (scale sc[r], A8W8).
+template <typename T>
+inline void prep_row(const Lin& lin, const T* src, int64_t r, char* xu, float* sc) {
+  char* dst = xu + r * lin.xbytes;
+  if (lin.kind == moe::kA8W8) {
+    sc[r] = parts::a8w8_quantize_row(src, lin.K, lin.Kp, dst);
+    return;
+  }
+  float* d = reinterpret_cast<float*>(dst);
+  for (int64_t c = 0; c < lin.K; ++c) d[c] = to_f(src[c]);
+}
+
 // A sparse layer's MLP in the region: the router (float panels of 64 outputs, as float_linear), its top-k, the
-// experts (A8W8, moe_parts.h).
+// experts (A8W8 or W4A16, moe_parts.h).
 struct Sparse {
   bool on = false;
   const void* router = nullptr;
@@ -230,17 +291,24 @@ struct Sparse {
 };
 
 // A sparse layer's tensors as sparse_mlp_ops' ops would take them, for hidden width hid; false if the region
-// cannot take them (then the op path runs: float or int4 experts, a malformed table).
+// cannot take them (then the op path runs: float experts, a malformed table).
 bool make_sparse(const at::Tensor* w, int64_t hid, Sparse& sp) {
-  const at::Tensor &dims = w[kMoeDims], &table = w[kMoeTable], &router = w[kRouterPacked];
+  const at::Tensor &dims = w[kMoeDims], &table = w[kMoeTable], &router = w[kRouterPacked], &lut = w[kMoeLut];
   if (!dims.is_contiguous() || dims.numel() != kMoeDimsLen || table.dim() != 2 || !table.is_contiguous() ||
       table.scalar_type() != at::kLong || table.size(1) != 6)
     return false;
   const int64_t* d = dims.data_ptr<int64_t>();
-  const int64_t E = table.size(0), G = parts::a8w8_group();
-  if (d[0] != moe::kA8W8 || d[1] != hid || d[2] <= 0 || E <= 0 || d[6] < 1 || d[6] > E || d[3] * G < hid ||
-      d[3] * G - hid >= G || d[4] * G < d[2] || d[4] * G - d[2] >= G)
+  const int64_t E = table.size(0), G = parts::a8w8_group(), I = d[2];
+  if (d[1] != hid || I <= 0 || E <= 0 || d[6] < 1 || d[6] > E) return false;
+  if (d[0] == moe::kA8W8) {   // aux: the packed K groups of gate_up and down
+    if (d[3] * G < hid || d[3] * G - hid >= G || d[4] * G < I || d[4] * G - I >= G) return false;
+  } else if (d[0] == moe::kW4A16) {   // aux: the quantization groups; moe_experts' checks
+    if (d[3] <= 0 || d[4] <= 0 || hid % d[3] != 0 || I % d[4] != 0 || hid % 2 != 0 || I % 2 != 0 ||
+        lut.scalar_type() != at::kFloat || !lut.is_contiguous() || lut.numel() != 2 * E)
+      return false;
+  } else {
     return false;
+  }
   if (router.dim() != 4 || !router.is_contiguous() || router.size(2) != 64 ||
       (router.scalar_type() != at::kFloat && router.scalar_type() != at::kBFloat16) ||
       router.size(0) != (E + 63) / 64 || router.size(1) * router.size(3) != hid)
@@ -249,7 +317,8 @@ bool make_sparse(const at::Tensor* w, int64_t hid, Sparse& sp) {
   sp.router = router.data_ptr();
   sp.router_bf16 = router.scalar_type() == at::kBFloat16;
   sp.E = E, sp.router_np = router.size(0), sp.k = d[6], sp.norm = d[7] != 0;
-  sp.ex = moe::Experts(d[0], E, d[1], d[2], d[3], d[4], d[5] != 0, table.data_ptr<int64_t>(), 6, nullptr, 4);
+  const float* lp = d[0] == moe::kW4A16 ? lut.data_ptr<float>() : nullptr;
+  sp.ex = moe::Experts(d[0], E, d[1], d[2], d[3], d[4], d[5] != 0, table.data_ptr<int64_t>(), 6, lp, 4);
   return true;
 }
 
@@ -338,16 +407,16 @@ template <typename T>
 void run_region(const Step<T>& s, int nt, Workspace& ws) {
   const int64_t Tn = s.T_, hid = s.hid, H = s.H, KVH = s.KVH, D = s.D, I = s.I, W = s.Wqkv, HD = s.H * s.D;
   const int64_t G = H / KVH;
-  const size_t ab = static_cast<size_t>(parts::a8w8_act_bytes());
-  int64_t kp_max = 0, logits_n = 0;
+  int64_t logits_n = 0;
+  size_t xrow_max = 0;   // the largest prepared input row (bytes): a GEMV's or the experts'
   size_t plan_max = 0, moe_max = 0;
   bool any_sparse = false;
   for (int64_t l = 0; l < s.L; ++l) {
-    kp_max = std::max({kp_max, s.qkv[l].Kp, s.o[l].Kp, s.gate_up[l].Kp, s.down[l].Kp});
+    xrow_max = std::max({xrow_max, s.qkv[l].xbytes, s.o[l].xbytes, s.gate_up[l].xbytes, s.down[l].xbytes});
     const Sparse& sp = s.sparse[l];
     if (!sp.on) continue;
     any_sparse = true;
-    kp_max = std::max(kp_max, sp.ex.kp_h);
+    xrow_max = std::max(xrow_max, static_cast<size_t>(sp.ex.rb_h));
     logits_n = std::max(logits_n, Tn * sp.E);
     plan_max = std::max(plan_max, moe::plan_bytes(Tn, sp.k, sp.E, sizeof(T)));
     moe_max = std::max(moe_max, moe::bufs_bytes(sp.ex, Tn, Tn * sp.k, sizeof(T), false));
@@ -361,7 +430,7 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
                o_logits = c.take(logits_n * sizeof(T)), o_plan = c.take(plan_max), o_moe = c.take(moe_max);
   Carve per;
   const size_t p_res = per.take(Tn * hid * sizeof(T)), p_hn = per.take(Tn * std::max(hid, HD) * sizeof(T)),
-               p_act = per.take(Tn * I * sizeof(T)), p_xu = per.take(Tn * kp_max * ab),
+               p_act = per.take(Tn * I * sizeof(T)), p_xu = per.take(Tn * xrow_max),
                p_sc = per.take(Tn * sizeof(float)), p_k = per.take(D * sizeof(T)),
                p_xf = per.take(any_sparse ? Tn * hid * sizeof(float) : 0);
   const size_t shared_bytes = c.off, per_bytes = per.off;
@@ -440,9 +509,17 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
       }
     };
     auto gemv = [&](const Lin& lin, std::atomic<int64_t>* home, T* y, Phase p) {
+      // W4A16 batch 1: the table lookup where w4a16_linear takes it (the weight's lut_zero, the row exact); every
+      // thread checks the row it reads (its own copy: the same bits, the same answer)
+      const float* xf4 = reinterpret_cast<const float*>(xu);
+      const float z = lin.kind == moe::kW4A16 && Tn == 1 && lin.lut >= 0.f && parts::w4a16_lut_row(xf4, lin.K)
+                          ? lin.lut : -1.f;
       auto run = [&](int64_t ch) {
-        parts::a8w8_panels(xu, sc, Tn, lin.Kp, lin.w, lin.KG, lin.scale, lin.colsum, lin.N, ch * lin.chunk,
-                           std::min(lin.NP, (ch + 1) * lin.chunk), y, lin.N);
+        const int64_t p0 = ch * lin.chunk, p1 = std::min(lin.NP, (ch + 1) * lin.chunk);
+        if (lin.kind == moe::kW4A16)
+          parts::w4a16_panel_range<T>(xf4, Tn, lin.K, lin.w4, lin.scale, lin.zeros, lin.G, p0, p1, y, lin.N, z);
+        else
+          parts::a8w8_panels(xu, sc, Tn, lin.Kp, lin.w, lin.KG, lin.scale, lin.colsum, lin.N, p0, p1, y, lin.N);
       };
       int64_t ch;
       while (take(home[tid * kLine], true, ch)) run(ch);
@@ -460,7 +537,7 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
       for (int64_t r = r_lo; r < r_hi; ++r) {
         if (l == 0) parts::rms_norm_row(s.x_in + r * hid, s.in_norm[l], hn + r * hid, hid, s.eps);
         else parts::add_rms_norm_row(xb + r * hid, res + r * hid, s.in_norm[l], hn + r * hid, res + r * hid, hid, s.eps);
-        sc[r] = parts::a8w8_quantize_row(hn + r * hid, hid, s.qkv[l].Kp, xu + r * s.qkv[l].Kp * ab);
+        prep_row(s.qkv[l], hn + r * hid, r, xu, sc);
       }
       rows_done(kNormIn);
       gemv(s.qkv[l], home, qkv, kQkv);
@@ -486,7 +563,7 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
 #pragma omp barrier
       clk.mark(kAttnWait);
       for (int64_t r = r_lo; r < r_hi; ++r)
-        sc[r] = parts::a8w8_quantize_row(att + r * HD, HD, s.o[l].Kp, xu + r * s.o[l].Kp * ab);
+        prep_row(s.o[l], att + r * HD, r, xu, sc);
       rows_done(kQuantO);
       gemv(s.o[l], home + nt * kLine, yb, kO);
       const Sparse& sp = s.sparse[l];
@@ -497,7 +574,7 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
                                   s.eps);
           if (wide)
             for (int64_t c = 0; c < hid; ++c) xf[r * hid + c] = to_f(hn[r * hid + c]);
-          sc[r] = parts::a8w8_quantize_row(hn + r * hid, hid, ex.kp_h, xu + r * ex.kp_h * ab);   // (1)
+          sc[r] = moe::prepare<T, T>(ex, hn + r * hid, hid, ex.kp_h, xu + r * ex.rb_h);   // (1)
         }
         rows_done(kNormPost);
         std::atomic<int64_t>* mc = moe_ctr + l * 4 * kLine;
@@ -542,13 +619,13 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
       }
       for (int64_t r = r_lo; r < r_hi; ++r) {
         parts::add_rms_norm_row(yb + r * hid, res_in + r * hid, s.post_norm[l], hn + r * hid, res + r * hid, hid, s.eps);
-        sc[r] = parts::a8w8_quantize_row(hn + r * hid, hid, s.gate_up[l].Kp, xu + r * s.gate_up[l].Kp * ab);
+        prep_row(s.gate_up[l], hn + r * hid, r, xu, sc);
       }
       rows_done(kNormPost);
       gemv(s.gate_up[l], home + 2 * nt * kLine, gu, kGateUp);
       for (int64_t r = r_lo; r < r_hi; ++r) {
         parts::silu_mul_row(gu + r * 2 * I, I, act + r * I);
-        sc[r] = parts::a8w8_quantize_row(act + r * I, I, s.down[l].Kp, xu + r * s.down[l].Kp * ab);
+        prep_row(s.down[l], act + r * I, r, xu, sc);
       }
       rows_done(kSilu);
       gemv(s.down[l], home + 3 * nt * kLine, xb, kDown);
@@ -612,9 +689,11 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* w = layers.data() + l * kPerLayer;
       if (is_sparse(w)) continue;
-      const at::Tensor& gu_scale = w[kGateUpScale];
-      if (gu_scale.dim() != 1 || gu_scale.size(0) % 2 != 0) return {};
-      s.I = gu_scale.size(0) / 2;
+      const at::Tensor& dims = w[kLinDims];
+      if (dims.scalar_type() != at::kDouble || !dims.is_contiguous() || dims.numel() != kLinDimsLen) return {};
+      const double n_gu = dims.data_ptr<double>()[2 * kLinGateUp];
+      if (!(n_gu > 0) || n_gu > 1e12 || std::fmod(n_gu, 2.0) != 0) return {};
+      s.I = static_cast<int64_t>(n_gu) / 2;
       break;
     }
     bool ok = true;
@@ -631,13 +710,11 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
       Lin a{}, b{}, c{}, d{};
       Sparse sp{};
       c.chunk = d.chunk = 1;   // a sparse layer's (no panels)
-      ok = ok && make_lin(w[kQkvPacked], w[kQkvScale], w[kQkvColsum], hid, s.Wqkv, nt, a) &&
-           make_lin(w[kOPacked], w[kOScale], w[kOColsum], H * D, hid, nt, b);
+      ok = ok && make_lin(w, kLinQkv, hid, s.Wqkv, nt, a) && make_lin(w, kLinO, H * D, hid, nt, b);
       if (is_sparse(w))
         ok = ok && make_sparse(w, hid, sp);
       else
-        ok = ok && make_lin(w[kGateUpPacked], w[kGateUpScale], w[kGateUpColsum], hid, 2 * s.I, nt, c) &&
-             make_lin(w[kDownPacked], w[kDownScale], w[kDownColsum], s.I, hid, nt, d);
+        ok = ok && make_lin(w, kLinGateUp, hid, 2 * s.I, nt, c) && make_lin(w, kLinDown, s.I, hid, nt, d);
       s.qkv.push_back(a), s.o.push_back(b), s.gate_up.push_back(c), s.down.push_back(d), s.sparse.push_back(sp);
       const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
       ok = ok && kc.scalar_type() == dt && vc.scalar_type() == dt && kc.is_contiguous() && vc.is_contiguous() &&

@@ -33,6 +33,8 @@ at::Tensor a8w8_pack(const at::Tensor& w_q);
 at::Tensor a8w8_colsum(const at::Tensor& w_q);
 at::Tensor a8w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
                        const at::Tensor& colsum);
+at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                        const at::Tensor& zeros, const at::Tensor& perm, int64_t N, double lut_zero);
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList layers, at::TensorList k_caches, at::TensorList v_caches,
                          const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
