@@ -23,14 +23,26 @@ def _greedy(eng, n=12):
     return eng.make_params({"temperature": 0, "max_tokens": n, "ignore_eos": True})
 
 
+# csrc/decode_layers.cpp's one-region step shapes: every sequence 1 to MAX_SEQ_ROWS query rows (kMaxSeqRows: a
+# verification of up to 16 drafts), at most MAX_ROWS rows in all (kMaxFusedRows)
+MAX_SEQ_ROWS, MAX_ROWS = 17, 64
+
+
+def _region_shape(rows) -> bool:
+    return max(rows) <= MAX_SEQ_ROWS and sum(rows) <= MAX_ROWS
+
+
 class Twin:
     """Runs every forward twice, the Python loop on a copy of the KV cache and then the C++ loop on the cache
-    itself, and checks the hidden states, logits and caches are the same bits."""
+    itself, and checks the hidden states, logits and caches are the same bits. Counts the steps (decode_steps:
+    one row per sequence; region_steps: the shapes the one region takes; multi_row_region_steps: those of them
+    where a sequence with tokens already cached has several rows: a verification)."""
 
     def __init__(self, eng):
         self.model, self.kv = eng.runner.model, eng.runner.kv_cache
         self.forward = self.model.forward
         self.steps, self.decode_steps, self.batches = 0, 0, set()
+        self.region_steps, self.multi_row_region_steps = 0, 0
         self.model.forward = self
 
     def __call__(self, input_ids, positions, kv_cache, meta):
@@ -51,6 +63,11 @@ class Twin:
         assert all(torch.equal(a, b) for a, b in zip(kv_cache.k + kv_cache.v, ref_k + ref_v))
         b = meta.query_start_loc.numel() - 1
         self.steps += 1
+        rows = meta.query_start_loc.diff().tolist()
+        if _region_shape(rows):
+            self.region_steps += 1
+            cached = (meta.seq_lens - meta.query_start_loc.diff()).tolist()
+            self.multi_row_region_steps += any(r > 1 and c > 0 for r, c in zip(rows, cached))
         if input_ids.numel() == b:
             self.decode_steps += 1
             self.batches.add(b)
@@ -84,7 +101,7 @@ def test_decode_steps_run_in_one_region_with_the_same_bits_at_any_thread_count(a
     finally:
         torch.set_num_threads(old)
     assert twin.decode_steps >= 11 and batch in twin.batches
-    assert prof[0, -1].item() == twin.decode_steps   # every decode step, and nothing else, in the region
+    assert prof[0, -1].item() == twin.region_steps >= twin.decode_steps   # every such step, nothing else, in it
     assert prof.shape[0] == threads
 
 
@@ -193,7 +210,7 @@ def test_moe_decode_steps_run_in_one_region_with_the_python_loops_bits(moe_a8w8_
         torch.set_num_threads(old)
     assert twin.decode_steps >= 11 and batch in twin.batches
     assert batch == 1 or max(len(rows) for rows in seen) > 1   # the rows of a step routed differently
-    assert prof[0, -1].item() == twin.decode_steps   # every decode step in the region
+    assert prof[0, -1].item() == twin.region_steps >= twin.decode_steps   # every such step in the region
     for ph in ("route", "expGateUp", "combine"):     # through its sparse-layer path
         assert prof[0, _phase(ph)].item() > 0
     assert prof[:, _phase("gateUp")].sum().item() == 0   # no dense MLP in this model
@@ -211,7 +228,7 @@ def test_moe_mixed_dense_and_sparse_layers_in_the_region(ckpts, dtype):
     eng.generate(_prompts(eng, 6), _greedy(eng))
     prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
     assert twin.decode_steps >= 11 and 6 in twin.batches and max(len(rows) for rows in seen) > 1
-    assert prof[0, -1].item() == twin.decode_steps
+    assert prof[0, -1].item() == twin.region_steps >= twin.decode_steps
     assert prof[0, _phase("route")].item() > 0 and prof[:, _phase("gateUp")].sum().item() > 0
 
 
@@ -311,7 +328,7 @@ def test_w4a16_decode_steps_run_in_one_region_with_the_python_loops_bits(ckpts, 
     finally:
         torch.set_num_threads(old)
     assert twin.decode_steps >= 11 and batch in twin.batches
-    assert prof[0, -1].item() == twin.decode_steps   # every decode step in the region
+    assert prof[0, -1].item() == twin.region_steps >= twin.decode_steps   # every step of those shapes, nothing else
     assert prof[:, _phase("qkv")].sum().item() > 0
     if which == "moe":
         assert prof[:, _phase("expGateUp")].sum().item() > 0 and prof[:, _phase("gateUp")].sum().item() == 0
@@ -325,3 +342,123 @@ def test_w4a16_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(c
     eng = make_engine(_w4a16(ckpts, which), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="8MiB",
                       max_model_len=256)
     _assert_loop_ids_equal_the_python_loop(eng, _prompts(eng, 8), steps=16, solo=2)
+
+
+# ----- a few rows per sequence: speculative verification steps in the region ----------------------------------
+
+def _few_rows_step(eng, rows, cached, seed=0):
+    """A hand-built step: sequence i has cached[i] tokens in the cache (random K/V) and rows[i] new rows (a
+    verification: its last accepted token and rows[i] - 1 drafts; a decode row when 1), its pages scattered
+    through the pool (page i * 7 + j modulo the pool, no page shared). (input_ids, positions, meta)."""
+    from backend_lib.kv_cache.metadata import AttentionMetadata
+
+    kv = eng.runner.kv_cache
+    S, P = kv.page_size, kv.num_pages
+    g = torch.Generator().manual_seed(seed)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    need = [-(-(c + r) // S) for c, r in zip(cached, rows)]
+    order = torch.randperm(P, generator=g).tolist()
+    assert sum(need) <= P
+    tables, at = [], 0
+    for n in need:
+        tables.append(order[at:at + n] + [0] * (max(need) - n))
+        at += n
+    positions = [c + j for c, r in zip(cached, rows) for j in range(r)]
+    seq_of = [i for i, r in enumerate(rows) for _ in range(r)]
+    slots = [tables[i][p // S] * S + p % S for i, p in zip(seq_of, positions)]
+    qsl = [0]
+    for r in rows:
+        qsl.append(qsl[-1] + r)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                             block_tables=torch.tensor(tables, dtype=torch.int32),
+                             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                             seq_lens=torch.tensor([c + r for c, r in zip(cached, rows)], dtype=torch.int32))
+    ids = torch.randint(0, eng.runner.model.cfg.vocab_size, (sum(rows),), generator=g)
+    return ids, torch.tensor(positions, dtype=torch.int64), meta
+
+
+def _region_step_equals_the_python_loop(eng, rows, cached, threads, seed=0) -> int:
+    """The C++ loop on the hand-built step against the Python loop on a copy of the cache: hidden states, logits
+    and every layer's K/V cache torch.equal. Returns how many steps ran in the one region (0 or 1)."""
+    model, kv = eng.runner.model, eng.runner.kv_cache
+    assert model.layer_loop.applies(kv)
+    ids, pos, meta = _few_rows_step(eng, rows, cached, seed)
+    saved = [t.clone() for t in kv.k + kv.v]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model.use_layer_loop = False
+        try:
+            ref = model.forward(ids, pos, kv, meta)
+        finally:
+            model.use_layer_loop = True
+        ref_kv = [t.clone() for t in kv.k + kv.v]
+        for t, s in zip(kv.k + kv.v, saved):
+            t.copy_(s)
+        torch.ops.qwen3_cpu.decode_layers_profile(True)
+        out = model.forward(ids, pos, kv, meta)
+        prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
+    finally:
+        torch.set_num_threads(old)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)
+    assert torch.equal(model.logits(out), model.logits(ref))
+    assert all(torch.equal(a, b) for a, b in zip(kv.k + kv.v, ref_kv))
+    assert not any(torch.equal(a, b) for a, b in zip(kv.k + kv.v, saved))   # the step wrote K/V in every layer
+    return int(prof[0, -1].item())
+
+
+# (rows per sequence, tokens cached per sequence): page size 16 in these engines
+FEW_ROWS = [
+    ([1, 5, 1, 5], [9, 14, 30, 3]),          # query_start_loc 0, 1, 6, 7, 12: seq 1's rows 14..18 cross a page
+    ([5], [40]),                              # one verification alone (rows split between threads)
+    ([2], [15]),                              # two rows: every thread computes them (kRedundantRows), across a page
+    ([5, 5, 5, 5, 5, 5], [0, 11, 16, 27, 44, 60]),   # six verifying sequences, one with nothing cached yet
+    ([17, 1, 3], [20, 7, 31]),                # 17 rows: two attention items of that sequence (16 + 1 positions)
+    ([4] * 16, [3 * i for i in range(16)]),   # 64 rows, the region's most
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_verification_steps_run_in_one_region_with_the_python_loops_bits(a8w8_ckpt, dtype, threads):
+    """Steps where a sequence has a few query rows (a speculative verification's k + 1, mixed with decode rows,
+    different context lengths, rows across a page boundary) in the one region: bit-identical to the Python loop."""
+    eng = make_engine(a8w8_ckpt, dtype=dtype, max_num_seqs=16, kv_cache_memory="4MiB", max_model_len=256)
+    for i, (rows, cached) in enumerate(FEW_ROWS):
+        assert _region_step_equals_the_python_loop(eng, rows, cached, threads, seed=i) == 1, rows
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_moe_verification_steps_run_in_one_region_with_the_python_loops_bits(moe_a8w8_ckpt, threads):
+    eng = make_engine(moe_a8w8_ckpt, dtype="bfloat16", max_num_seqs=16, kv_cache_memory="4MiB", max_model_len=256)
+    for i, (rows, cached) in enumerate(FEW_ROWS):
+        assert _region_step_equals_the_python_loop(eng, rows, cached, threads, seed=i) == 1, rows
+
+
+def test_steps_with_a_longer_sequence_keep_the_ops_path(a8w8_ckpt):
+    """A sequence of more than 17 rows (a prefill chunk), or more than 64 rows in all: the op-by-op path, the
+    same bits."""
+    eng = make_engine(a8w8_ckpt, dtype="bfloat16", max_num_seqs=32, kv_cache_memory="4MiB", max_model_len=256)
+    for rows, cached in (([18], [5]), ([1, 18, 2], [4, 0, 9]), ([1] * 65, [2] * 65), ([5] * 13, [1] * 13)):
+        assert _region_step_equals_the_python_loop(eng, rows, cached, threads=2) == 0, rows
+
+
+def test_ngram_speculation_runs_its_verifications_in_the_region(a8w8_ckpt):
+    """Through the engine: n-gram speculation on the A8W8 model, every step bit-identical to the Python loop
+    (Twin), the verification steps in the one region, and the greedy ids those of speculation off."""
+    import json
+
+    from spec_helpers import GREEDY, PROMPTS, compare_spec
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    off = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
+    on = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256,
+                     speculative_config=json.dumps(spec))
+    prompts = [off.tokenizer.encode(p) for p in PROMPTS]
+    torch.ops.qwen3_cpu.decode_layers_profile(True)
+    twins = Twin(off), Twin(on)
+    compare_spec(off, on, prompts, GREEDY, min_accepted=4)
+    prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
+    assert twins[1].multi_row_region_steps >= 3   # steps with a verifying sequence's rows
+    assert prof[0, -1].item() == twins[0].region_steps + twins[1].region_steps

@@ -124,6 +124,8 @@ inline void kv_row(const T* krow, const T* vrow, T* kd, T* vd, int64_t slot, int
 
 namespace parts {
 
+int64_t attention_item_rows() { return kMaxRows; }
+
 template <typename T>
 void dense_attention_item(const AttnArgs& a, int32_t seq, int32_t kv_head, int32_t t0, int32_t nq, const T* q,
                           const T* k_cache, const T* v_cache, T* out) {

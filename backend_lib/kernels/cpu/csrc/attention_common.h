@@ -400,6 +400,7 @@ inline void for_each_item(int64_t n, Fn&& fn) {
   });
 }
 
+// (decode_layers.cpp's region builds the same items itself: keep the two in step)
 inline std::vector<WorkItem> make_items(const int32_t* qsl, int64_t B, int64_t KVH, int G) {
   const int per = std::max(1, kMaxRows / G);
   std::vector<WorkItem> items;

@@ -1,7 +1,8 @@
 // The decoder's layer loop in C++: every layer of a Qwen3 step (A8W8 or W4A16 linears, dense paged KV cache) with
 // no return to Python between the kernels.
 //
-// Decode steps (one new token per sequence, up to kMaxFusedRows sequences) run the whole step in ONE OpenMP
+// Steps of a few rows per sequence (decode rows, the k + 1 rows of a speculative verification, short chunks: 1 to
+// kMaxSeqRows query rows per sequence, up to kMaxFusedRows rows in all) run the whole step in ONE OpenMP
 // parallel region with a workspace kept across calls: the threads stay in the region from the first layer to
 // the final norm and meet at a barrier only where a result of the others is read next (after each GEMV, after
 // attention). Each GEMV (qkv, o, gate_up, down) gives every thread a home: a contiguous stretch of its panels,
@@ -10,9 +11,10 @@
 // whole row; for a batch of at most kRedundantRows rows every thread computes them itself, into buffers of its
 // own, instead of one thread computing them while the others wait at a barrier (the same function on the same
 // inputs: the same bits in every copy); larger batches split the rows and meet at a barrier. q/k-norm, RoPE and
-// the KV write of a KV head are done by the thread that then runs that head's attention (a decode row only reads
-// its own sequence's keys; the page a decode token is written to is never shared, prefix caching shares only
-// full pages), so they need no barrier of their own. The region runs the kernels' pieces (parts.h), the very
+// the KV write of a (sequence, KV head) are done, for all the sequence's rows, by the thread that then runs that
+// head's attention items for them (a row only reads its own sequence's keys, its earlier rows' of this step
+// included, all written first by this thread; the page a new token is written to is never shared, prefix caching
+// shares only full pages), so they need no barrier of their own. The region runs the kernels' pieces (parts.h), the very
 // code of the ops, each output row, panel and work item computed by one thread in the op's order, so the hidden
 // states and the KV cache are bit-identical to the ops' (and to the Python layer loop), whatever the batch and
 // the thread count. A W4A16 linear's input rows are widened to fp32 (w4a16_linear's widening) and its panels are
@@ -28,9 +30,9 @@
 // experts' kind (moe::prepare: quantized, or widened to fp32). Batch 1 reads the router and its k experts' weights
 // only.
 //
-// Other steps (prefill chunks, mixed steps) call the ops one after another as the Python layers do (models/
-// qwen3.py, layers/attention.py, layers/mlp.py), with the same arguments in the same order: each op opens its
-// own parallel region, which a many-row step amortizes.
+// Other steps (a sequence with more rows: prefill chunks; more than kMaxFusedRows rows) call the ops one after
+// another as the Python layers do (models/qwen3.py, layers/attention.py, layers/mlp.py), with the same arguments
+// in the same order: each op opens its own parallel region, which a many-row step amortizes.
 #include <omp.h>
 
 #include <chrono>
@@ -133,7 +135,10 @@ at::Tensor sparse_mlp_ops(const at::Tensor& h, const at::Tensor* w) {
   return moe_experts(h, ids, weights, w[kMoeTable], w[kMoeLut], at::IntArrayRef(d, 6));
 }
 
-constexpr int64_t kMaxFusedRows = 64;   // decode steps of up to this many sequences take the one-region path
+constexpr int64_t kMaxFusedRows = 64;   // steps of up to this many rows take the one-region path
+// ... where no sequence has more query rows than this: a verification of up to 16 drafts (k + 1 rows), a decode
+// row, a short chunk; a longer chunk runs the ops (whose parallel regions it amortizes).
+constexpr int64_t kMaxSeqRows = 17;
 constexpr int64_t kRedundantRows = 2;   // up to this many rows, every thread computes the row-wise ops itself
 constexpr int kMaxThreads = 256;
 constexpr int64_t kLine = 8;             // int64 counters per cache line
@@ -387,7 +392,7 @@ struct Carve {   // offsets of 64-byte aligned pieces in one block
 // Everything the region reads, checked and resolved to pointers before it starts (nothing in it may throw).
 template <typename T>
 struct Step {
-  int64_t L, T_, hid, H, KVH, D, I, Wqkv;
+  int64_t L, T_, B, hid, H, KVH, D, I, Wqkv;
   float eps;
   const T* x_in;
   std::vector<const T*> in_norm, post_norm, q_norm, k_norm;
@@ -407,6 +412,8 @@ template <typename T>
 void run_region(const Step<T>& s, int nt, Workspace& ws) {
   const int64_t Tn = s.T_, hid = s.hid, H = s.H, KVH = s.KVH, D = s.D, I = s.I, W = s.Wqkv, HD = s.H * s.D;
   const int64_t G = H / KVH;
+  // query positions per attention item, as paged_attention's make_items
+  const int32_t per_item = static_cast<int32_t>(std::max<int64_t>(1, parts::attention_item_rows() / G));
   int64_t logits_n = 0;
   size_t xrow_max = 0;   // the largest prepared input row (bytes): a GEMV's or the experts'
   size_t plan_max = 0, moe_max = 0;
@@ -541,23 +548,32 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
       }
       rows_done(kNormIn);
       gemv(s.qkv[l], home, qkv, kQkv);
-      // per (sequence, KV head): q/k-norm + RoPE of its heads, its K/V row into the cache, its attention
-      const int64_t items = Tn * KVH;
+      // per (sequence, KV head): q/k-norm + RoPE of its heads and its K/V row into the cache for EVERY row of the
+      // sequence, then its attention items. A row attends to the keys of its sequence's earlier rows of this step
+      // (a verification's draft rows), so all of them are written first, by this very thread: no barrier needed
+      // (no other item writes or reads this sequence's keys of head g; other sequences never share a page that is
+      // written, prefix caching shares only full pages). The attention items are paged_attention's (make_items:
+      // runs of kMaxRows / G rows from the sequence's first row), so each output row has the op's bits.
+      const int64_t items = s.B * KVH;
       for (int64_t it = items_next.fetch_add(1, std::memory_order_relaxed); it < items;
            it = items_next.fetch_add(1, std::memory_order_relaxed)) {
-        const int64_t t = it / KVH, g = it % KVH;   // decode: sequence t's one token is row t
-        const T* row = qkv + t * W;
-        const float* cosv = s.cos_sin + s.pos[t] * D;
-        for (int64_t h = g * G; h < (g + 1) * G; ++h)
-          parts::qk_norm_rope_head(row + h * D, s.q_norm[l], cosv, D, s.eps, qb + (t * H + h) * D);
-        parts::qk_norm_rope_head(row + (H + g) * D, s.k_norm[l], cosv, D, s.eps, krow);
-        clk.mark(kRope);
-        if (s.slots[t] >= 0)
-          parts::write_kv_row(krow, row + (H + KVH + g) * D, s.kc[l], s.vc[l], s.slots[t], g, KVH, D, s.attn.S,
-                              s.attn.KW);
-        clk.mark(kKvWrite);
-        parts::dense_attention_item(s.attn, static_cast<int32_t>(t), static_cast<int32_t>(g), static_cast<int32_t>(t),
-                                    1, qb, s.kc[l], s.vc[l], att);
+        const int64_t b = it / KVH, g = it % KVH;
+        const int32_t r0 = s.attn.query_start_loc[b], r1 = s.attn.query_start_loc[b + 1];
+        for (int64_t r = r0; r < r1; ++r) {
+          const T* row = qkv + r * W;
+          const float* cosv = s.cos_sin + s.pos[r] * D;
+          for (int64_t h = g * G; h < (g + 1) * G; ++h)
+            parts::qk_norm_rope_head(row + h * D, s.q_norm[l], cosv, D, s.eps, qb + (r * H + h) * D);
+          parts::qk_norm_rope_head(row + (H + g) * D, s.k_norm[l], cosv, D, s.eps, krow);
+          clk.mark(kRope);
+          if (s.slots[r] >= 0)
+            parts::write_kv_row(krow, row + (H + KVH + g) * D, s.kc[l], s.vc[l], s.slots[r], g, KVH, D, s.attn.S,
+                                s.attn.KW);
+          clk.mark(kKvWrite);
+        }
+        for (int32_t t0 = r0; t0 < r1; t0 += per_item)
+          parts::dense_attention_item(s.attn, static_cast<int32_t>(b), static_cast<int32_t>(g), t0,
+                                      std::min<int32_t>(per_item, r1 - t0), qb, s.kc[l], s.vc[l], att);
         clk.mark(kAttn);
       }
 #pragma omp barrier
@@ -655,20 +671,25 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
   const int64_t L = static_cast<int64_t>(k_caches.size()), Tn = x_in.size(0), hid = x_in.size(1);
   const auto dt = x_in.scalar_type();
   if (L == 0 || Tn == 0 || Tn > kMaxFusedRows || (dt != at::kFloat && dt != at::kBFloat16) || !x_in.is_contiguous() ||
-      H <= 0 || KVH <= 0 || H % KVH != 0 || H / KVH > 32)
+      H <= 0 || KVH <= 0 || H % KVH != 0 || H / KVH > parts::attention_item_rows())
     return {};
-  // a decode step: one query token per sequence (query_start_loc = 0, 1, ..., T)
-  if (query_start_loc.scalar_type() != at::kInt || query_start_loc.numel() != Tn + 1 || seq_lens.numel() != Tn ||
+  // B sequences of 1 to kMaxSeqRows query rows each (decode rows, verification rows, short chunks)
+  const int64_t B = seq_lens.numel();
+  if (query_start_loc.scalar_type() != at::kInt || B < 1 || query_start_loc.numel() != B + 1 ||
       seq_lens.scalar_type() != at::kInt || block_tables.scalar_type() != at::kInt || block_tables.dim() != 2 ||
-      block_tables.size(0) < Tn || !block_tables.is_contiguous() || positions.scalar_type() != at::kLong ||
+      block_tables.size(0) < B || !block_tables.is_contiguous() || positions.scalar_type() != at::kLong ||
       positions.numel() != Tn || slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != Tn ||
       !query_start_loc.is_contiguous() || !seq_lens.is_contiguous() || !positions.is_contiguous() ||
       !slot_mapping.is_contiguous() || cos_sin.scalar_type() != at::kFloat || !cos_sin.is_contiguous() ||
       cos_sin.dim() != 2)
     return {};
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  for (int64_t b = 0; b <= Tn; ++b)
-    if (qsl[b] != b) return {};
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  if (qsl[0] != 0 || qsl[B] != Tn) return {};
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = static_cast<int64_t>(qsl[b + 1]) - qsl[b];
+    if (nq < 1 || nq > kMaxSeqRows || lens[b] < nq) return {};   // lens < nq: no key for its first row
+  }
   const int64_t D = cos_sin.size(1);
   const at::Tensor& kc0 = k_caches[0];
   if (D > 256 || D % 2 != 0 || kc0.dim() != 5 || kc0.size(1) != KVH || kc0.size(3) != D) return {};
@@ -682,7 +703,7 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
     using T = decltype(tag);
     Step<T> s;
     s.t_entry = t_entry;
-    s.L = L, s.T_ = Tn, s.hid = hid, s.H = H, s.KVH = KVH, s.D = D, s.eps = static_cast<float>(eps);
+    s.L = L, s.T_ = Tn, s.B = B, s.hid = hid, s.H = H, s.KVH = KVH, s.D = D, s.eps = static_cast<float>(eps);
     s.x_in = static_cast<const T*>(x_in.data_ptr());
     s.Wqkv = (H + 2 * KVH) * D;
     s.I = 0;   // the dense layers' intermediate width (none: all layers sparse)
@@ -728,7 +749,7 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
     s.pos = pos;
     s.slots = slot_mapping.data_ptr<int64_t>();
     s.cos_sin = cos_sin.data_ptr<float>();
-    s.attn = {qsl, seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(), block_tables.size(1), H, KVH, D,
+    s.attn = {qsl, lens, block_tables.data_ptr<int32_t>(), block_tables.size(1), H, KVH, D,
               S, KW, static_cast<float>(scale)};
     at::Tensor out = at::empty({Tn, hid}, x_in.options());
     s.out = static_cast<T*>(out.data_ptr());

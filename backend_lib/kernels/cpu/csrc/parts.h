@@ -61,6 +61,9 @@ struct AttnArgs {
   int64_t max_pages, H, KVH, D, S, KW;
   float scale;
 };
+// The most rows of one work item (query positions times H / KVH); paged_attention's items hold
+// max(1, attention_item_rows() / (H / KVH)) query positions each (the last of a sequence fewer).
+int64_t attention_item_rows();
 // Rows [t0, t0 + nq) of sequence seq (query positions of one sequence, nq * H / KVH <= 32 rows) for KV head
 // kv_head: q [T, H, D] -> out [T, H, D], as paged_attention computes that work item.
 template <typename T>
