@@ -42,6 +42,8 @@ def ensure_checkpoints(layers: int, formats=("bf16", "a8w8", "w4a16"), size: str
         if not (path / "config.json").is_file():
             log(f"building the {size} ({layers} layers) {fmt} demo checkpoint")
             extra = ["--group-size", "128" if size == SIZE else "32"] if fmt == "w4a16" else []
+            if size == SIZE:   # tensor by tensor: random_model would hold the 4 layers' 3.1B parameters in fp32
+                extra.append("--stream")
             subprocess.run(["nice", "-n", "10", sys.executable, "-m", "backend_lib.tools.make_demo_checkpoint",
                             str(path), "--size", size, "--layers", str(layers), "--format", fmt, "--overwrite", *extra],
                            cwd=ROOT, check=True)
