@@ -74,6 +74,24 @@ class Twin:
         return out
 
 
+def _generate_profiled(eng, batch, threads, setup=lambda: None):
+    """Greedy generation of `batch` prompts on `threads` threads with the region's profile on and every step
+    compared with the Python loop (Twin); checks every step of the region's shapes, and nothing else, ran in the
+    region. Returns the twin, the profile and what setup() returned (called once the twin is in place)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.qwen3_cpu.decode_layers_profile(True)
+        twin = Twin(eng)
+        extra = setup()
+        eng.generate(_prompts(eng, batch), _greedy(eng))
+        prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
+    finally:
+        torch.set_num_threads(old)
+    assert twin.decode_steps >= 11 and batch in twin.batches
+    assert prof[0, -1].item() == twin.region_steps >= twin.decode_steps
+    return twin, prof, extra
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("batch", [1, 2, 5, 16])
 def test_every_step_is_bit_identical_to_the_python_loop(a8w8_ckpt, dtype, batch):
@@ -91,17 +109,7 @@ def test_decode_steps_run_in_one_region_with_the_same_bits_at_any_thread_count(a
     on one thread or three (more threads than this host's cores: threads descheduled mid-step), one row per
     thread's own buffers (batch 1) or rows split between them (batch 5)."""
     eng = make_engine(a8w8_ckpt, dtype="bfloat16", max_num_seqs=16, kv_cache_memory="4MiB", max_model_len=256)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.ops.qwen3_cpu.decode_layers_profile(True)
-        twin = Twin(eng)
-        eng.generate(_prompts(eng, batch), _greedy(eng))
-        prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
-    finally:
-        torch.set_num_threads(old)
-    assert twin.decode_steps >= 11 and batch in twin.batches
-    assert prof[0, -1].item() == twin.region_steps >= twin.decode_steps   # every such step, nothing else, in it
+    twin, prof, _ = _generate_profiled(eng, batch, threads)
     assert prof.shape[0] == threads
 
 
@@ -198,19 +206,8 @@ def test_moe_decode_steps_run_in_one_region_with_the_python_loops_bits(moe_a8w8_
     batch 1 (no gather), 2 (rows per thread) and 5 (rows split, tokens sharing experts), 1 and 2 threads."""
     eng = make_engine(moe_a8w8_ckpt, dtype="bfloat16", max_num_seqs=8, kv_cache_memory="4MiB", max_model_len=256)
     assert eng.runner.model.layer_loop.applies(eng.runner.kv_cache)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.ops.qwen3_cpu.decode_layers_profile(True)
-        twin = Twin(eng)
-        seen = _routings(eng.runner.model, batch)
-        eng.generate(_prompts(eng, batch), _greedy(eng))
-        prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
-    finally:
-        torch.set_num_threads(old)
-    assert twin.decode_steps >= 11 and batch in twin.batches
+    twin, prof, seen = _generate_profiled(eng, batch, threads, lambda: _routings(eng.runner.model, batch))
     assert batch == 1 or max(len(rows) for rows in seen) > 1   # the rows of a step routed differently
-    assert prof[0, -1].item() == twin.region_steps >= twin.decode_steps   # every such step in the region
     for ph in ("route", "expGateUp", "combine"):     # through its sparse-layer path
         assert prof[0, _phase(ph)].item() > 0
     assert prof[:, _phase("gateUp")].sum().item() == 0   # no dense MLP in this model
@@ -318,17 +315,7 @@ def test_w4a16_decode_steps_run_in_one_region_with_the_python_loops_bits(ckpts, 
     assert lins and all(type(lin).__name__ == "W4A16Linear" for lin in lins)
     assert all((lin.prepared[5] >= 0) == (which != "asym") for lin in lins)   # the lookup's weights (or none)
     assert model.layer_loop.applies(eng.runner.kv_cache)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.ops.qwen3_cpu.decode_layers_profile(True)
-        twin = Twin(eng)
-        eng.generate(_prompts(eng, batch), _greedy(eng))
-        prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
-    finally:
-        torch.set_num_threads(old)
-    assert twin.decode_steps >= 11 and batch in twin.batches
-    assert prof[0, -1].item() == twin.region_steps >= twin.decode_steps   # every step of those shapes, nothing else
+    twin, prof, _ = _generate_profiled(eng, batch, threads)
     assert prof[:, _phase("qkv")].sum().item() > 0
     if which == "moe":
         assert prof[:, _phase("expGateUp")].sum().item() > 0 and prof[:, _phase("gateUp")].sum().item() == 0
