@@ -53,7 +53,6 @@ def served_both(server, jobs, spec_model, plain_model="qwen3_plain"):
     return res[:len(jobs)], res[len(jobs):]
 
 
-
 # ----- verification steps without an engine (the verification graphs' tests) ------------------------------------
 class VerifyingSeq:
     """What a verification step reads of a sequence (engine/cuda_graphs.py, ModelRunner.prepare): its tokens

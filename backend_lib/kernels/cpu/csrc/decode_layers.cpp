@@ -175,6 +175,13 @@ struct PhaseClock {
 
 bool is_w4a16(const at::Tensor* w, int64_t j) { return w[kQkvPacked + 3 * j].scalar_type() == at::kInt; }
 
+// The layer's kLinDims as the region reads them (per linear: N, lut_zero), or nullptr where they are malformed.
+const double* region_lin_dims(const at::Tensor* w) {
+  const at::Tensor& dims = w[kLinDims];
+  if (dims.scalar_type() != at::kDouble || !dims.is_contiguous() || dims.numel() != kLinDimsLen) return nullptr;
+  return dims.data_ptr<double>();
+}
+
 // Linear j of the layer (LinSlot) as its layers/linear.py class computes it: a8w8_linear or w4a16_linear.
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor* w, int64_t j) {
   const at::Tensor* p = w + kQkvPacked + 3 * j;
@@ -241,10 +248,9 @@ struct Lin {
 // false if the region cannot take it (the op path then runs, and raises its own error for a malformed weight).
 bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, Lin& out) {
   const at::Tensor &packed = w[kQkvPacked + 3 * j], &scale = w[kQkvPacked + 3 * j + 1],
-                   &aux = w[kQkvPacked + 3 * j + 2], &dims = w[kLinDims];
-  if (dims.scalar_type() != at::kDouble || !dims.is_contiguous() || dims.numel() != kLinDimsLen ||
-      dims.data_ptr<double>()[2 * j] != static_cast<double>(N))
-    return false;
+                   &aux = w[kQkvPacked + 3 * j + 2];
+  const double* dims = region_lin_dims(w);
+  if (dims == nullptr || dims[2 * j] != static_cast<double>(N)) return false;
   if (packed.scalar_type() == at::kInt) {   // W4A16: w4a16_linear's checks
     constexpr int64_t P = moe::kPanelRows;
     if (packed.dim() != 3 || !packed.is_contiguous() || packed.size(2) != P || scale.scalar_type() != at::kFloat ||
@@ -257,7 +263,7 @@ bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, Lin&
       return false;
     out = {moe::kW4A16, nullptr, packed.data_ptr<int32_t>(), scale.data_ptr<float>(), nullptr, aux.data_ptr<float>(),
            N, NP, 0, 0, K, G, 2,   // w4a16_linear's chunk: panel pairs
-           static_cast<float>(dims.data_ptr<double>()[2 * j + 1]), static_cast<size_t>(K) * sizeof(float)};
+           static_cast<float>(dims[2 * j + 1]), static_cast<size_t>(K) * sizeof(float)};
     return true;
   }
   const int64_t P = parts::a8w8_panel(), G = parts::a8w8_group();
@@ -710,9 +716,9 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* w = layers.data() + l * kPerLayer;
       if (is_sparse(w)) continue;
-      const at::Tensor& dims = w[kLinDims];
-      if (dims.scalar_type() != at::kDouble || !dims.is_contiguous() || dims.numel() != kLinDimsLen) return {};
-      const double n_gu = dims.data_ptr<double>()[2 * kLinGateUp];
+      const double* dims = region_lin_dims(w);
+      if (dims == nullptr) return {};
+      const double n_gu = dims[2 * kLinGateUp];
       if (!(n_gu > 0) || n_gu > 1e12 || std::fmod(n_gu, 2.0) != 0) return {};
       s.I = static_cast<int64_t>(n_gu) / 2;
       break;
