@@ -1,6 +1,7 @@
 """Starts the real tritonserver (the venv's `tritonserver` command) on free ports: for tests and benchmarks."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -122,6 +123,13 @@ class TritonServer:
                 return r.status == 200
         except OSError:
             return False
+
+    def success_count(self, model: str) -> int:
+        """The number of requests Triton's statistics extension counts as ended successfully for `model`
+        (inference_stats.success.count of GET /v2/models/<model>/stats)."""
+        with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{model}/stats", timeout=5) as r:
+            [stats] = json.loads(r.read())["model_stats"]
+        return int(stats["inference_stats"]["success"]["count"])
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
