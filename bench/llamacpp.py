@@ -96,7 +96,10 @@ def converter_python(home: Path = HOME) -> Path:
     return py
 
 
-QUANTS = {"q8_0": "Q8_0", "q4_0": "Q4_0"}   # GGUF file tag -> llama-quantize type
+# GGUF file tag -> llama-quantize's (options, type). llama-quantize writes output.weight (the head) in Q6_K for Q4_0
+# by default; q4_0-q8head keeps it in Q8_0 (--output-tensor-type), the bytes of the engine's int8 head, so a W4A16
+# engine with that head reads what the GGUF reads (the MoE group reports both).
+QUANTS = {"q8_0": ((), "Q8_0"), "q4_0": ((), "Q4_0"), "q4_0-q8head": (("--output-tensor-type", "q8_0"), "Q4_0")}
 
 
 def gguf_paths(checkpoint: Path, home: Path = HOME, quants=("q8_0",)) -> dict[str, Path]:
@@ -127,7 +130,8 @@ def convert(bf16_checkpoint: Path, home: Path = HOME, quants=("q8_0",), keep_bf1
         _run([str(converter_python(home)), str(src / "convert_hf_to_gguf.py"), str(bf16_checkpoint), "--outtype",
               "bf16", "--outfile", str(out["bf16"])], env=env, nice=is_moe(bf16_checkpoint))
     for q in missing:
-        _run([str(binary("llama-quantize", home)), str(out["bf16"]), str(out[q]), QUANTS[q]])
+        options, qtype = QUANTS[q]
+        _run([str(binary("llama-quantize", home)), *options, str(out["bf16"]), str(out[q]), qtype])
     if not keep_bf16 and out["bf16"].is_file():
         out["bf16"].unlink()
     if not keep_bf16:

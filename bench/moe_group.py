@@ -27,7 +27,10 @@ from .run import ROOT, Worker, decode_rate, log
 from .step_profile import stream_read_gbs
 
 SIZE = "30b-a3b"
-PAIRS = (("A8W8", "a8w8", "q8_0"), ("W4A16", "w4a16", "q4_0"))   # engine format, checkpoint, llama.cpp quant
+# engine format, checkpoint, llama.cpp quants (the first: the one llama-quantize makes by default; q4_0-q8head: Q4_0
+# with its head in Q8_0, the bytes of the engine's int8 head, llama.cpp's side of a bytes-matched comparison)
+PAIRS = (("A8W8", "a8w8", ("q8_0",)), ("W4A16", "w4a16", ("q4_0", "q4_0-q8head")))
+QUANTS = tuple(q for _, _, qs in PAIRS for q in qs)
 
 
 def checkpoint_dir(layers: int, fmt: str, size: str = SIZE) -> Path:
@@ -79,9 +82,9 @@ def bytes_per_token(cfg: dict, fmt: str, context: int, head_int8: bool = True, g
 def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new_tokens: int,
               out: str | None = None, size: str = SIZE) -> list[dict]:
     ck = ensure_checkpoints(layers, size=size)
-    ggufs = llamacpp.installed(ck["bf16"], quants=("q8_0", "q4_0"), need_bf16=False)
+    ggufs = llamacpp.installed(ck["bf16"], quants=QUANTS, need_bf16=False)
     if ggufs is None and all(llamacpp.binary(t).is_file() for t in llamacpp.TARGETS):
-        ggufs = llamacpp.convert(ck["bf16"], quants=("q8_0", "q4_0"), keep_bf16=False)
+        ggufs = llamacpp.convert(ck["bf16"], quants=QUANTS, keep_bf16=False)
     if ggufs is None:
         log("llama.cpp is not built (python -m bench.llamacpp build): the engine against its floor only")
     out_dir = Path(out or ROOT / "bench" / "results" / time.strftime("moe-%Y%m%d-%H%M%S"))
@@ -91,9 +94,9 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
     engine = [sys.executable, "-m", "bench.workers.engine_worker", "--max-model-len", max_len, "--max-num-seqs",
               str(max(batches)), "--kv-cache-memory", "1GiB", "--lm-head-quant", "int8"]
     systems: dict = {}
-    for label, fmt, quant in PAIRS:
+    for label, fmt, quants in PAIRS:
         systems[f"engine {label}"] = Worker(f"moe-engine-{fmt}", engine + ["--checkpoint", str(ck[fmt])], out_dir)
-        if ggufs is not None:
+        for quant in quants if ggufs is not None else ():
             systems[f"llama.cpp {quant.upper()}"] = llamacpp.LlamaCppSystem(ggufs[quant], threads,
                                                                              out_dir / "llamacpp.log")
     decode: dict[tuple[str, int], list[float]] = {}
@@ -126,16 +129,19 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
     for (name, b), v in med.items():
         rows.append({"group": "moe", "system": name, "mode": "decode", "batch": b, "prompt_len": prompt_len,
                      "new_tokens": new_tokens, "layers": layers, "decode_tokens_per_s": v, "runs": decode[(name, b)]})
-    for label, fmt, quant in PAIRS:
+    for label, fmt, quants in PAIRS:
         nb = bytes_per_token(cfg, fmt, prompt_len + new_tokens // 2, group=group)
         floor = gbs * 1e9 / nb["total"]
-        eng, cpp = f"engine {label}", f"llama.cpp {quant.upper()}"
+        eng, cpp = f"engine {label}", f"llama.cpp {quants[0].upper()}"
         summary = {"group": "moe", "system": eng, "mode": "summary", "format": fmt, "layers": layers,
                    "stream_gbs": gbs, "bytes_per_token": nb, "floor_tokens_per_s": floor,
                    "rss_mib": mem.get(eng, {}).get("rss_mib")}
         for b in batches:
             if (cpp, b) in med:
                 summary[f"vs_llamacpp_b{b}"] = med[(eng, b)] / med[(cpp, b)]
+            for quant in quants[1:]:   # the other GGUFs of this format (the bytes-matched head)
+                if (f"llama.cpp {quant.upper()}", b) in med:
+                    summary[f"vs_{quant}_b{b}"] = med[(eng, b)] / med[(f"llama.cpp {quant.upper()}", b)]
         if 1 in batches:
             summary["vs_floor_b1"] = med[(eng, 1)] / floor
         rows.append(summary)
@@ -158,6 +164,8 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
             if f"vs_llamacpp_b{b}" in row:
                 target = 1.15 if b == 1 else 1.5
                 line += f"; batch {b} = {row[f'vs_llamacpp_b{b}']:.2f}x llama.cpp (target >= {target})"
+            for key in (k for k in row if k.startswith("vs_q") and k.endswith(f"_b{b}")):
+                line += f"; batch {b} = {row[key]:.2f}x llama.cpp {key[3:-len(f'_b{b}')].upper()}"
         print(line)
     print(f"results in {out_dir}")
     return rows

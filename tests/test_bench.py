@@ -181,7 +181,10 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
     assert {k: p.name for k, p in paths.items()} == {"bf16": "qwen3-30b-a3b-l4-bf16.gguf",
                                                      "q8_0": "qwen3-30b-a3b-l4-q8_0.gguf",
                                                      "q4_0": "qwen3-30b-a3b-l4-q4_0.gguf"}
-    assert llamacpp.QUANTS == {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+    assert llamacpp.QUANTS == {"q8_0": ((), "Q8_0"), "q4_0": ((), "Q4_0"),
+                               "q4_0-q8head": (("--output-tensor-type", "q8_0"), "Q4_0")}
+    assert {k: p.name for k, p in llamacpp.gguf_paths(moe, tmp_path, ("q4_0-q8head",)).items()} == {
+        "bf16": "qwen3-30b-a3b-l4-bf16.gguf", "q4_0-q8head": "qwen3-30b-a3b-l4-q4_0-q8head.gguf"}
 
     rows = [{"group": "moe", "system": s, "mode": "decode", "batch": b, "decode_tokens_per_s": v}
             for s, b, v in (("engine A8W8", 1, 30.0), ("llama.cpp Q8_0", 1, 20.0), ("engine A8W8", 16, 160.0),
