@@ -79,6 +79,14 @@ def bytes_per_token(cfg: dict, fmt: str, context: int, head_int8: bool = True, g
             "head": head + 2 * h + 2 * h, "total": layers * (attn + kv + router + experts) + head + 4 * h}
 
 
+def round_ratios(ours: list[float], theirs: list[float]) -> dict:
+    """The ratio of two systems measured in the same rounds, round by round: on a host whose bandwidth swings 2x
+    between minutes, a round's pair (run back to back) shares its minute, so the median of the per-round ratios is
+    steadier than the ratio of the medians; with the lowest and highest round and how many rounds were above 1."""
+    r = sorted(a / b for a, b in zip(ours, theirs))
+    return {"median": statistics.median(r), "min": r[0], "max": r[-1], "above_1": sum(x > 1 for x in r), "n": len(r)}
+
+
 def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new_tokens: int,
               out: str | None = None, size: str = SIZE) -> list[dict]:
     ck = ensure_checkpoints(layers, size=size)
@@ -139,9 +147,12 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
         for b in batches:
             if (cpp, b) in med:
                 summary[f"vs_llamacpp_b{b}"] = med[(eng, b)] / med[(cpp, b)]
+                summary[f"vs_llamacpp_b{b}_rounds"] = round_ratios(decode[(eng, b)], decode[(cpp, b)])
             for quant in quants[1:]:   # the other GGUFs of this format (the bytes-matched head)
-                if (f"llama.cpp {quant.upper()}", b) in med:
-                    summary[f"vs_{quant}_b{b}"] = med[(eng, b)] / med[(f"llama.cpp {quant.upper()}", b)]
+                other = f"llama.cpp {quant.upper()}"
+                if (other, b) in med:
+                    summary[f"vs_{quant}_b{b}"] = med[(eng, b)] / med[(other, b)]
+                    summary[f"vs_{quant}_b{b}_rounds"] = round_ratios(decode[(eng, b)], decode[(other, b)])
         if 1 in batches:
             summary["vs_floor_b1"] = med[(eng, 1)] / floor
         rows.append(summary)
@@ -166,6 +177,10 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
                 line += f"; batch {b} = {row[f'vs_llamacpp_b{b}']:.2f}x llama.cpp (target >= {target})"
             for key in (k for k in row if k.startswith("vs_q") and k.endswith(f"_b{b}")):
                 line += f"; batch {b} = {row[key]:.2f}x llama.cpp {key[3:-len(f'_b{b}')].upper()}"
+            for key in (k for k in row if k.startswith("vs_") and k.endswith(f"_b{b}_rounds")):
+                rr = row[key]
+                line += (f" [{key[3:-len(f'_b{b}_rounds')]} per round: median {rr['median']:.2f}x, "
+                         f"{rr['min']:.2f}-{rr['max']:.2f}, {rr['above_1']}/{rr['n']} above 1]")
         print(line)
     print(f"results in {out_dir}")
     return rows

@@ -157,7 +157,7 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
     import json
 
     from bench import llamacpp
-    from bench.moe_group import bytes_per_token
+    from bench.moe_group import bytes_per_token, round_ratios
 
     cfg = {"hidden_size": 2048, "head_dim": 128, "num_attention_heads": 32, "num_key_value_heads": 4,
            "num_hidden_layers": 4, "moe_intermediate_size": 768, "num_local_experts": 128, "num_experts_per_tok": 8,
@@ -169,6 +169,9 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
     assert a8["attention"] == 4 * (5120 * 2048 + 8 * 5120 + 2048 * 4096 + 8 * 2048 + 2 * (2 * 2048 + 2 * 128))
     assert a8["head"] == 151936 * 2048 + 8 * 151936 + 4 * 2048
     assert a8["total"] == sum(v for k, v in a8.items() if k != "total")
+    # the same rounds' pairs: 2/1, 3/3, 4/5 -> median 1.0, one round above 1
+    assert round_ratios([2.0, 3.0, 4.0], [1.0, 3.0, 5.0]) == {"median": 1.0, "min": 0.8, "max": 2.0, "above_1": 1,
+                                                              "n": 3}
     w4 = bytes_per_token(cfg, "w4a16", context=100)
     assert w4["experts"] == 4 * 8 * (1536 * 1024 + 1536 * 16 * 8 + 2048 * 384 + 2048 * 6 * 8)
     assert w4["kv"] == 4 * 100 * 4 * 128 * 2 * 2
