@@ -92,7 +92,8 @@ def test_the_experts_are_stacked_once_and_int4_experts_keep_the_composed_path(mo
         assert gate_up.prepared[0].data_ptr() == packed.w13[e].data_ptr()
         assert down.prepared[0].data_ptr() == packed.w2[e].data_ptr()
     w4 = moe_block(ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe"), TRI, torch.bfloat16)
-    assert w4.moe_weights is w4.expert_pairs                     # this set runs W4A16 through the reference
+    assert w4.moe_weights is w4.expert_pairs     # W4A16 experts: the composed path, expert by expert over the
+    assert all(g.prepared[0].dtype == torch.uint8 for g, _ in w4.expert_pairs)   # set's packed int4 GEMM
     x = _hidden(6, torch.bfloat16, seed=2)
     with torch.inference_mode():
         batched = w4.forward(x)

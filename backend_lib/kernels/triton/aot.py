@@ -2,7 +2,7 @@
 
 `triton.compile` with a `GPUTarget` builds PTX and a cubin with no GPU present; the bundled ptxas (-v) reports
 registers and spill bytes; the compiled metadata the shared memory. Variants: the launch configurations of
-linear.py / norm.py / attention.py (imported with TRITON_INTERPRET unset, so they are the GPU ones) at the
+linear.py / w4a16.py / norm.py / attention.py (imported with TRITON_INTERPRET unset, so they are the GPU ones) at the
 shapes of Qwen3-0.6B, 8B and 14B (GQA groups 2, 4, 5) in bf16 with the default page size, dense and TurboQuant KV,
 and the fused MoE kernels (moe.py) at each of their tile buckets.
 
@@ -47,7 +47,7 @@ def variants() -> list[Variant]:
     import triton
 
     from ...kv_cache.layout import key_block_width
-    from . import attention, linear, moe, norm
+    from . import attention, linear, moe, norm, w4a16
 
     out: list[Variant] = []
 
@@ -66,6 +66,16 @@ def variants() -> list[Variant]:
         cfg = linear.FLOAT_CONFIG
         add(linear.float_linear_kernel, {"x_ptr": bf, "w_ptr": bf, "y_ptr": f"*{out_dtype}"},
             {**cfg, "OUT": code, "INTERP": False, "PREC": 0}, cfg, f"float_linear out={out_dtype}")
+    # int4 weight-only (w4a16.py): one tiling for every M; a group a multiple of BLOCK_K (one [BLOCK_N] load of
+    # scales / zeros per tile) or not (gathered per element: group 32, channel-wise over a K no multiple of it),
+    # with and without the act-order perm
+    cfg = w4a16.W4A16_CONFIG
+    for tile_group in (True, False):
+        for has_perm in (False, True):
+            add(w4a16.w4a16_kernel, {"x_ptr": bf, "w_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*fp32",
+                                     "perm_ptr": "*i32", "y_ptr": bf},
+                {**cfg, "OUT": 1, "HAS_PERM": has_perm, "TILE_GROUP": tile_group, "INTERP": False}, cfg,
+                f"w4a16 tile_group={tile_group} perm={has_perm}")
     # the fused MoE (moe.py): gate/up + SwiGLU and down + router weight, A8W8 at each tile bucket and bf16 experts,
     # and the combine at Qwen3-30B-A3B / 235B-A22B's hidden sizes (8 experts per token)
     moe_sig = {"a_ptr": bf, "ws_ptr": "*fp32", "pw_ptr": bf, "y_ptr": bf, "sorted_ptr": "*i32", "bexp_ptr": "*i32",

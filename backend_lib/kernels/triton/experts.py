@@ -1,7 +1,8 @@
 """The Triton set's MoE slot: each layer's experts stacked once at load (`moe_weights`), and the fused path over
 them (moe.py's align, gate/up + SwiGLU, down + router weight, combine: four launches per MoE layer, no host
-read). Experts the fused kernels do not take (int4 weight-only: this set runs W4A16 through the reference; an
-expert-parallel rank's partial set) keep the composed path (kernels/moe.py over this set's linear slots)."""
+read). Experts the fused kernels do not take (int4 weight-only: no packed-int4 variant of moe_gemm yet; an
+expert-parallel rank's partial set) keep the composed path (kernels/moe.py over this set's linear slots: W4A16
+experts each through w4a16.py's packed GEMM, one launch per touched expert and projection)."""
 from __future__ import annotations
 
 import torch

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from . import attention, linear, moe, norm
+from . import attention, linear, moe, norm, w4a16
 
 
 @custom_op("qwen3_triton::a8w8_linear", mutates_args=())
@@ -24,6 +24,16 @@ def a8w8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor) -> Tensor:
 @a8w8_linear.register_fake
 def _(x, w_q, w_scale):
     return x.new_empty((*x.shape[:-1], w_q.shape[0]))
+
+
+@custom_op("qwen3_triton::w4a16_linear", mutates_args=())
+def w4a16_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor, perm: Optional[Tensor]) -> Tensor:
+    return w4a16.w4a16_linear(x, packed, scales, zeros, perm)
+
+
+@w4a16_linear.register_fake
+def _(x, packed, scales, zeros, perm):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 @custom_op("qwen3_triton::float_linear", mutates_args=())
