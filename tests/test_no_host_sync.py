@@ -77,6 +77,15 @@ def test_a_decode_step_with_the_triton_kernels_never_syncs(a8w8_ckpt, kv_cache):
     assert tuple(logits.shape) == (3, runner.model.cfg.vocab_size)
 
 
+def test_a_w4a16_decode_step_with_the_triton_int4_gemm_never_syncs(ckpts):
+    """GPTQ desc_act (the act-order perm gathered in the kernel) through the Triton set's packed int4 GEMM."""
+    ckpt = ckpts.get("tiny-gptq-g64-asym-descact", "gptq", group_size=64, symmetric=False, desc_act=True)
+    runner, mode = _runner(ckpt, TRITON, "bf16")
+    assert runner.model.layers[0].mlp.down_proj.prepared[0].dtype == torch.uint8
+    logits = _decode(runner, mode)
+    assert logits.device.type == "cuda" and tuple(logits.shape) == (3, runner.model.cfg.vocab_size)
+
+
 @pytest.mark.parametrize("kv_cache", ["bf16", "tq"])
 def test_a_verification_graphs_step_never_syncs(a8w8_ckpt, kv_cache):
     """[spec] What a verification graph holds (engine/cuda_graphs.py's VerifyGraphs._step over its device buffers:
