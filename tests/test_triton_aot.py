@@ -44,6 +44,7 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80_without_spills_or_exce
             "moe a8w8 down+weight BLOCK_M=64", "moe bf16 gate_up+swiglu BLOCK_M=16", "moe bf16 down+weight BLOCK_M=16",
             "moe combine hidden=2048", "moe combine hidden=4096"} <= labels
     assert {f"w4a16 tile_group={t} perm={p}" for t in (True, False) for p in (True, False)} <= labels
+    assert {f"moe w4a16 {g} tile_group={t}" for g in ("gate_up+swiglu", "down+weight") for t in (True, False)} <= labels
 
 
 def test_the_int8_gemm_uses_int8_mma_and_wgmma_on_hopper(compiled):
@@ -58,7 +59,7 @@ def test_the_int8_gemm_uses_int8_mma_and_wgmma_on_hopper(compiled):
     assert all(any("bf16" in i for i in r["mma"]) for r in results if r["kernel"] == "float_linear_kernel")
     # the int4 GEMM's dot is full fp32 (the contract's fp32 dequantized weight): FMA, no bf16 / TF32 MMA that would
     # round the weight or x
-    assert all(r["mma"] == [] for r in results if r["kernel"] == "w4a16_kernel")
+    assert all(r["mma"] == [] for r in results if r["kernel"] == "w4a16_kernel" or "w4a16" in r["label"])
 
 
 def test_the_checks_catch_spills_shared_memory_and_a_gemm_without_mma():

@@ -72,7 +72,7 @@ def w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, M, N, K, G, GS, st
 # one tiling for every M (batch invariance of the fp32 summation order). Interpreted: FLOAT_CONFIG's, so that a
 # row equals float_linear's over the dequantized weight bit for bit (the test's exactness check).
 W4A16_CONFIG = (dict(FLOAT_CONFIG) if INTERPRET
-                else dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3))
+                else dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3))
 
 
 def w4a16_prepare(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, perm: torch.Tensor | None = None):
