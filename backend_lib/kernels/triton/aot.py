@@ -67,7 +67,7 @@ def variants() -> list[Variant]:
         add(linear.float_linear_kernel, {"x_ptr": bf, "w_ptr": bf, "y_ptr": f"*{out_dtype}"},
             {**cfg, "OUT": code, "INTERP": False, "PREC": 0}, cfg, f"float_linear out={out_dtype}")
     # int4 weight-only (w4a16.py): one tiling for every M; a group a multiple of BLOCK_K (one [BLOCK_N] load of
-    # scales / zeros per tile) or not (gathered per element: group 32, channel-wise over a K no multiple of it),
+    # scales / zeros per tile) or not (gathered per element: group 16, channel-wise over a K no multiple of it),
     # with and without the act-order perm
     cfg = w4a16.W4A16_CONFIG
     for tile_group in (True, False):
