@@ -178,3 +178,36 @@ def test_fused_a8w8_moe_at_ragged_widths_equals_the_reference(dtype):
         got = TRI.moe_experts(x, ids, w, packed)
         assert torch.equal(got, REFERENCE.moe_experts(x, ids, w, ref))
         assert torch.equal(TRI.moe_experts(x[2:3], ids[2:3], w[2:3], packed), got[2:3])
+
+
+@pytest.mark.parametrize("hid,inter,group", [(41, 25, None), (48, 24, 8)])
+def test_fused_w4a16_moe_at_ragged_widths_equals_the_composed_path(hid, inter, group):
+    """Odd widths (the last byte's unused nibble, the K masks, the clamped columns), channel-wise, and groups
+    of 8 (several per K tile): E = 5 experts, k = 3, some experts get no pair."""
+    from backend_lib.checkpoint.int4 import Int4Weight
+    from backend_lib.kernels.triton.experts import moe_weights
+    from backend_lib.layers.linear import W4A16Linear
+
+    g = torch.Generator().manual_seed(11)
+    e_n, k = 5, 3
+
+    def weight(n, kk):
+        groups = kk // (group or kk)
+        return Int4Weight(torch.randint(0, 16, (n, kk), generator=g, dtype=torch.uint8),
+                          torch.rand(n, groups, generator=g) * 0.05 + 1e-3,
+                          torch.randint(0, 17, (n, groups), generator=g).float(), group or kk, None)
+
+    ws = [(weight(2 * inter, hid), weight(hid, inter)) for _ in range(e_n)]
+    pairs = [(W4A16Linear(a, TRI), W4A16Linear(b, TRI)) for a, b in ws]
+    ref = [(W4A16Linear(a, REFERENCE), W4A16Linear(b, REFERENCE)) for a, b in ws]
+    packed = moe_weights(pairs)
+    assert isinstance(packed, PackedExperts) and packed.w13.shape == (e_n, 2 * inter, (hid + 1) // 2)
+    x = (torch.randn(6, hid, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e_n - 1, generator=g)[:k] for _ in range(6)])     # expert 4 unused
+    w = torch.softmax(torch.randn(6, k, generator=g), -1).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = TRI.moe_experts(x, ids, w, packed)
+        assert torch.equal(got, TRI.moe_experts(x, ids, w, pairs))
+        assert torch.equal(TRI.moe_experts(x[2:3], ids[2:3], w[2:3], packed), got[2:3])
+        expected = REFERENCE.moe_experts(x, ids, w, ref)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
