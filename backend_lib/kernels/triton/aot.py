@@ -78,7 +78,8 @@ def variants() -> list[Variant]:
                 f"w4a16 tile_group={tile_group} perm={has_perm}")
     # the fused MoE (moe.py): gate/up + SwiGLU and down + router weight, A8W8 at each tile bucket and bf16 experts,
     # and the combine at Qwen3-30B-A3B / 235B-A22B's hidden sizes (8 experts per token)
-    moe_sig = {"a_ptr": bf, "ws_ptr": "*fp32", "wz_ptr": "*fp32", "pw_ptr": bf, "y_ptr": bf, "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+    moe_sig = {"a_ptr": bf, "ws_ptr": "*fp32", "wz_ptr": "*fp32", "pw_ptr": bf, "y_ptr": bf, "sorted_ptr": "*i32",
+               "bexp_ptr": "*i32",
                "npad_ptr": "*i32"}
     for quant in (True, False):
         for pairs, experts in moe.MOE_BUCKETS if quant else moe.MOE_BUCKETS[:1]:
