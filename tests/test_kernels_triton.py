@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="the triton package is not installed (pip i
 from backend_lib.kernels import get_kernels  # noqa: E402
 from backend_lib.kernels import reference as ref  # noqa: E402
 from backend_lib.kv_cache import tq_codec as codec  # noqa: E402
-from helpers import ROOT  # noqa: E402
+from helpers import ROOT, make_engine  # noqa: E402
 from kernel_helpers import paged_setup, tq_setup  # noqa: E402
 
 TRI = get_kernels("cpu", "triton")
@@ -65,6 +65,76 @@ def test_float_linear_keeps_the_weight_dtype_and_rows_are_batch_invariant(wd):
     torch.testing.assert_close(TRI.float_linear(x, p).float(), ref.float_linear(x, w).float(),
                                rtol=1e-5 if wd == torch.float32 else 1e-2, atol=1e-4)
     assert torch.equal(TRI.float_rows(p, torch.tensor([4, 0])), w[[4, 0]])
+
+
+def _int4(n, k, group, seed, permuted):
+    """A random canonical int4 weight (checkpoint/int4.py's Int4Weight fields): codes, fp32 scales that are not
+    bf16 values (a weight rounded to bf16 would show), integer zeros 0..16 (GPTQ v1's range), perm or None."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // (group or k)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, groups, generator=g) * 0.05 + 1e-3
+    zeros = torch.randint(0, 17, (n, groups), generator=g).float()
+    perm = torch.randperm(k, generator=g) if permuted else None
+    return codes, scales, zeros, perm
+
+
+# (group, N, K): groups smaller than the interpreter's BLOCK_K (several per tile), equal to it, larger, and
+# channel-wise over an odd K; N odd everywhere (the N edge), K odd (the last byte's unused high nibble)
+W4_SHAPES = [(16, 37, 64), (32, 37, 96), (128, 19, 256), (None, 37, 101)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("permuted", [False, True])
+@pytest.mark.parametrize("group,N,K", W4_SHAPES)
+def test_w4a16_rows_are_batch_invariant_and_equal_the_float_gemm_over_the_reference_weight(group, N, K, permuted,
+                                                                                          dtype):
+    """A row alone, and in batches of 2, 3, 5, 9: the same bits. Exact: the float GEMM (same tiles, same fp32
+    products and K order) over the reference's dequantized fp32 weight and x gathered by perm. Within fp32
+    summation-order tolerance: the formula in fp64 (reference.w4a16_linear sums K in torch.mv's order)."""
+    codes, scales, zeros, perm = _int4(N, K, group, N * K, permuted)
+    x = (torch.randn(9, K, generator=torch.Generator().manual_seed(K)) * 2).to(dtype)
+    p = TRI.w4a16_prepare(codes, scales, zeros, perm)
+    assert p[0].dtype == torch.uint8 and p[0].shape == (N, (K + 1) // 2)          # packed: two codes a byte
+    full = TRI.w4a16_linear(x, p)
+    assert full.dtype == dtype and full.shape == (9, N)
+    for lo, hi in ((0, 1), (4, 5), (8, 9), (0, 2), (3, 6), (1, 6), (0, 9)):
+        assert torch.equal(TRI.w4a16_linear(x[lo:hi], p), full[lo:hi]), (lo, hi)
+    w = ref.w4a16_dequantize(codes, scales, zeros)
+    xs = x if perm is None else x[:, perm]
+    assert torch.equal(full, TRI.float_linear(xs.contiguous(), w))
+    expected = xs.double() @ w.double().t()
+    reference = ref.w4a16_linear(x, ref.w4a16_prepare(codes, scales, zeros, perm))
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    for got in (full, reference):
+        torch.testing.assert_close(got.double(), expected.to(dtype).double(), rtol=tol,
+                                   atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+@pytest.mark.parametrize("group,N,K", W4_SHAPES)
+def test_w4a16_dequantizes_in_registers_exactly_as_the_reference(group, N, K, permuted):
+    """One-hot rows read the weight back (one nonzero product per output: no summation order), so the kernel's
+    `(code - zero) * scale` must be the reference's fp32 value bit for bit: an FMA, a bf16-rounded weight, a
+    wrong nibble, group or perm index would each change it."""
+    codes, scales, zeros, perm = _int4(N, K, group, 7 * K, permuted)
+    got = TRI.w4a16_linear(torch.eye(K), TRI.w4a16_prepare(codes, scales, zeros, perm))
+    w = ref.w4a16_dequantize(codes, scales, zeros)
+    inv = torch.arange(K) if perm is None else torch.argsort(perm)      # x[:, perm] of a one-hot row j
+    assert torch.equal(got, w[:, inv].t())
+    assert torch.equal(got, ref.w4a16_linear(torch.eye(K), ref.w4a16_prepare(codes, scales, zeros, perm)))
+
+
+def test_w4a16_refuses_codes_out_of_range_and_an_input_of_the_wrong_width():
+    codes, scales, zeros, _ = _int4(8, 64, 32, 0, False)
+    with pytest.raises(ValueError, match="0..15"):
+        TRI.w4a16_prepare(codes | 16, scales, zeros)
+    with pytest.raises(ValueError, match="groups"):
+        TRI.w4a16_prepare(codes[:, :63], scales, zeros)
+    with pytest.raises(ValueError, match="perm"):
+        TRI.w4a16_prepare(codes, scales, zeros, torch.arange(63))
+    with pytest.raises(ValueError, match="columns"):
+        TRI.w4a16_linear(torch.randn(2, 62), TRI.w4a16_prepare(codes, scales, zeros))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -260,3 +330,16 @@ def test_generate_with_kernels_triton_gives_the_reference_greedy_tokens(a8w8_ckp
     """The prompt spans two pages (16 tokens each), so decode reads a prefilled page and a page it writes."""
     got = _generate(a8w8_ckpt, "triton", dtype, kv_cache)
     assert len(got) == 6 and got == _generate(a8w8_ckpt, "reference", dtype, kv_cache)
+
+
+def test_w4a16_engine_greedy_ids_batched_equal_solo(ckpts):
+    """A tiny GPTQ desc_act (act-order perm, asymmetric, group 64) checkpoint through the Triton set's int4 GEMM:
+    each prompt's greedy ids alone equal its ids in one batch of three."""
+    eng = make_engine(ckpts.get("tiny-gptq-g64-asym-descact", "gptq", group_size=64, symmetric=False, desc_act=True),
+                      kernels="triton", dtype="bfloat16", max_model_len=256, kv_cache_memory="8MiB")
+    lin = eng.runner.model.layers[0].mlp.down_proj              # K = the intermediate size: several groups
+    assert lin.prepared[0].dtype == torch.uint8 and lin.prepared[3] is not None     # packed, with its perm
+    prompts = [eng.tokenizer.encode(p) for p in ("Hello!", PROMPT, "1, 2, 3, 4,")]
+    params = eng.make_params({"temperature": 0, "max_tokens": 5, "ignore_eos": True})
+    solo = [eng.generate([p], params)[0]["output_ids"] for p in prompts]
+    assert all(len(s) == 5 for s in solo) and [r["output_ids"] for r in eng.generate(prompts, params)] == solo

@@ -91,12 +91,44 @@ def test_the_experts_are_stacked_once_and_int4_experts_keep_the_composed_path(mo
     for e, (gate_up, down) in enumerate(block.expert_pairs):      # views of the stacks: held once
         assert gate_up.prepared[0].data_ptr() == packed.w13[e].data_ptr()
         assert down.prepared[0].data_ptr() == packed.w2[e].data_ptr()
-    w4 = moe_block(ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe"), TRI, torch.bfloat16)
-    assert w4.moe_weights is w4.expert_pairs                     # this set runs W4A16 through the reference
+    # W4A16 experts with an act-order perm: the composed path, expert by expert over the set's int4 GEMM
+    w4 = moe_block(ckpts.get("tiny-moe-gptq-descact", "gptq", "tiny-moe", group_size=16, desc_act=True), TRI,
+                   torch.bfloat16)
+    assert w4.moe_weights is w4.expert_pairs
+    assert all(g.prepared[0].dtype == torch.uint8 and g.prepared[3] is not None for g, _ in w4.expert_pairs)
     x = _hidden(6, torch.bfloat16, seed=2)
     with torch.inference_mode():
         batched = w4.forward(x)
         assert torch.equal(torch.cat([w4.forward(x[i:i + 1]) for i in range(6)]), batched)
+
+
+@pytest.mark.parametrize("fmt,opts", [("w4a16", dict(group_size=32)), ("w4a16", dict(group_size=16, symmetric=False)),
+                                      ("awq", dict(group_size=32))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_w4a16_moe_equals_the_composed_path_and_is_batch_invariant(ckpts, fmt, opts, dtype):
+    """Packed int4 experts stacked once and dequantized in the grouped GEMMs (a group per K tile, group 32, and
+    several per tile, group 16): the composed path's bits (each expert through w4a16.py's GEMM), rows alone
+    and reversed the batch's, the reference within fp32 summation-order tolerance."""
+    ckpt = ckpts.get(f"tiny-moe-{fmt}-g{opts['group_size']}{'-asym' if 'symmetric' in opts else ''}", fmt,
+                     "tiny-moe", **opts)
+    block = moe_block(ckpt, TRI, dtype)
+    packed = block.moe_weights
+    assert isinstance(packed, PackedExperts) and packed.w13.dtype == torch.uint8
+    assert packed.w13.shape == (8, 64, 32) and packed.z13.shape == (8, 64, 64 // opts["group_size"])
+    for e, (gate_up, down) in enumerate(block.expert_pairs):      # views of the stacks: held once
+        assert gate_up.prepared[0].data_ptr() == packed.w13[e].data_ptr()
+        assert down.prepared[2].data_ptr() == packed.z2[e].data_ptr()
+    x = _hidden(9, dtype, seed=3)
+    with torch.inference_mode():
+        ids, w = route(block.gate.forward(x), 2, True)
+        fused = TRI.moe_experts(x, ids, w, packed)
+        assert torch.equal(fused, TRI.moe_experts(x, ids, w, block.expert_pairs))       # the composed path
+        solo = torch.cat([TRI.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], packed) for i in range(3)])
+        flipped = TRI.moe_experts(x.flip(0), ids.flip(0), w.flip(0), packed).flip(0)
+        ref = REFERENCE.moe_experts(x, ids, w, moe_block(ckpt, REFERENCE, dtype).expert_pairs)
+    assert torch.equal(solo, fused[:3]) and torch.equal(flipped, fused) and fused.abs().sum() > 0
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(fused, ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 def test_engine_greedy_with_the_fused_moe_equals_the_reference_set(moe_a8w8_ckpt):
@@ -110,6 +142,17 @@ def test_engine_greedy_with_the_fused_moe_equals_the_reference_set(moe_a8w8_ckpt
         params = eng.make_params({"temperature": 0, "max_tokens": 3, "ignore_eos": True})
         ids_of[kernels] = [r["output_ids"] for r in eng.generate(prompts, params)]
     assert ids_of["triton"] == ids_of["reference"] and len(ids_of["triton"][0]) == 3
+
+
+def test_engine_greedy_with_fused_w4a16_experts_batched_equals_solo(ckpts):
+    """The whole W4A16 MoE model through the Triton set (the int4 GEMM for attention, the fused int4 experts):
+    each prompt's greedy ids alone equal its ids in one batch."""
+    eng = make_engine(ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe"), dtype="bfloat16", kernels="triton")
+    assert isinstance(eng.runner.model.layers[0].mlp.moe_weights, PackedExperts)
+    prompts = [eng.tokenizer.encode(p) for p in ("Hello, world!", "介绍一下北京")]
+    params = eng.make_params({"temperature": 0, "max_tokens": 3, "ignore_eos": True})
+    solo = [eng.generate([p], params)[0]["output_ids"] for p in prompts]
+    assert all(len(s) == 3 for s in solo) and [r["output_ids"] for r in eng.generate(prompts, params)] == solo
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -135,3 +178,36 @@ def test_fused_a8w8_moe_at_ragged_widths_equals_the_reference(dtype):
         got = TRI.moe_experts(x, ids, w, packed)
         assert torch.equal(got, REFERENCE.moe_experts(x, ids, w, ref))
         assert torch.equal(TRI.moe_experts(x[2:3], ids[2:3], w[2:3], packed), got[2:3])
+
+
+@pytest.mark.parametrize("hid,inter,group", [(41, 25, None), (48, 24, 8)])
+def test_fused_w4a16_moe_at_ragged_widths_equals_the_composed_path(hid, inter, group):
+    """Odd widths (the last byte's unused nibble, the K masks, the clamped columns), channel-wise, and groups
+    of 8 (several per K tile): E = 5 experts, k = 3, some experts get no pair."""
+    from backend_lib.checkpoint.int4 import Int4Weight
+    from backend_lib.kernels.triton.experts import moe_weights
+    from backend_lib.layers.linear import W4A16Linear
+
+    g = torch.Generator().manual_seed(11)
+    e_n, k = 5, 3
+
+    def weight(n, kk):
+        groups = kk // (group or kk)
+        return Int4Weight(torch.randint(0, 16, (n, kk), generator=g, dtype=torch.uint8),
+                          torch.rand(n, groups, generator=g) * 0.05 + 1e-3,
+                          torch.randint(0, 17, (n, groups), generator=g).float(), group or kk, None)
+
+    ws = [(weight(2 * inter, hid), weight(hid, inter)) for _ in range(e_n)]
+    pairs = [(W4A16Linear(a, TRI), W4A16Linear(b, TRI)) for a, b in ws]
+    ref = [(W4A16Linear(a, REFERENCE), W4A16Linear(b, REFERENCE)) for a, b in ws]
+    packed = moe_weights(pairs)
+    assert isinstance(packed, PackedExperts) and packed.w13.shape == (e_n, 2 * inter, (hid + 1) // 2)
+    x = (torch.randn(6, hid, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e_n - 1, generator=g)[:k] for _ in range(6)])     # expert 4 unused
+    w = torch.softmax(torch.randn(6, k, generator=g), -1).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = TRI.moe_experts(x, ids, w, packed)
+        assert torch.equal(got, TRI.moe_experts(x, ids, w, pairs))
+        assert torch.equal(TRI.moe_experts(x[2:3], ids[2:3], w[2:3], packed), got[2:3])
+        expected = REFERENCE.moe_experts(x, ids, w, ref)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

@@ -77,6 +77,15 @@ def test_a_decode_step_with_the_triton_kernels_never_syncs(a8w8_ckpt, kv_cache):
     assert tuple(logits.shape) == (3, runner.model.cfg.vocab_size)
 
 
+def test_a_w4a16_decode_step_with_the_triton_int4_gemm_never_syncs(ckpts):
+    """GPTQ desc_act (the act-order perm gathered in the kernel) through the Triton set's packed int4 GEMM."""
+    ckpt = ckpts.get("tiny-gptq-g64-asym-descact", "gptq", group_size=64, symmetric=False, desc_act=True)
+    runner, mode = _runner(ckpt, TRITON, "bf16")
+    assert runner.model.layers[0].mlp.down_proj.prepared[0].dtype == torch.uint8
+    logits = _decode(runner, mode)
+    assert logits.device.type == "cuda" and tuple(logits.shape) == (3, runner.model.cfg.vocab_size)
+
+
 @pytest.mark.parametrize("kv_cache", ["bf16", "tq"])
 def test_a_verification_graphs_step_never_syncs(a8w8_ckpt, kv_cache):
     """[spec] What a verification graph holds (engine/cuda_graphs.py's VerifyGraphs._step over its device buffers:
@@ -166,14 +175,14 @@ def test_a_sampled_decode_step_makes_one_device_to_host_copy(a8w8_ckpt):
         Sampler()(logits.cpu(), seqs)
 
 
-@pytest.mark.parametrize("fmt", ["a8w8", "bf16"])
-def test_a_moe_decode_step_with_the_fused_triton_moe_never_syncs(moe_a8w8_ckpt, moe_bf16_ckpt, fmt):
+@pytest.mark.parametrize("fmt", ["a8w8", "bf16", "w4a16"])
+def test_a_moe_decode_step_with_the_fused_triton_moe_never_syncs(moe_a8w8_ckpt, moe_bf16_ckpt, ckpts, fmt):
     """Qwen3-MoE: the router, the top-k, the pairs' sort and padding (kernels/triton/moe.py's align) and the
     fused expert kernels all stay on the device. The composed path (kernels/moe.py, which counts each expert's
     pairs on the host) does not: the control."""
     from backend_lib.kernels.triton.experts import PackedExperts
 
-    ckpt = moe_a8w8_ckpt if fmt == "a8w8" else moe_bf16_ckpt
+    ckpt = {"a8w8": moe_a8w8_ckpt, "bf16": moe_bf16_ckpt}.get(fmt) or ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe")
     runner, mode = _runner(ckpt, TRITON, "bf16")
     sparse = [m for m in runner.model.modules() if hasattr(m, "moe_weights")]
     assert sparse and all(isinstance(m.moe_weights, PackedExperts) for m in sparse)

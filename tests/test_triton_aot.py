@@ -1,5 +1,6 @@
 """Ahead-of-time compilation of every Triton kernel variant the engine launches, for sm_90 and sm_80, on this
-CPU-only machine: no register spills, shared memory within the limit, int8 MMA in the A8W8 GEMM."""
+CPU-only machine: no register spills, shared memory within the limit, int8 MMA in the A8W8 GEMM, no MMA (full
+fp32) in the W4A16 GEMM."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from helpers import ROOT  # noqa: E402
 
 LAUNCHED = {"a8w8_kernel", "float_linear_kernel", "rms_norm_kernel", "qk_norm_rope_kernel", "silu_mul_kernel",
             "write_kv_kernel", "attention_kernel", "combine_kernel", "rotate_kernel", "tq_write_kernel",
-            "moe_gemm_kernel", "moe_combine_kernel"}
+            "moe_gemm_kernel", "moe_combine_kernel", "w4a16_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,8 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80_without_spills_or_exce
     assert {"moe a8w8 gate_up+swiglu BLOCK_M=16", "moe a8w8 down+weight BLOCK_M=16", "moe a8w8 gate_up+swiglu BLOCK_M=64",
             "moe a8w8 down+weight BLOCK_M=64", "moe bf16 gate_up+swiglu BLOCK_M=16", "moe bf16 down+weight BLOCK_M=16",
             "moe combine hidden=2048", "moe combine hidden=4096"} <= labels
+    assert {f"w4a16 tile_group={t} perm={p}" for t in (True, False) for p in (True, False)} <= labels
+    assert {f"moe w4a16 {g} tile_group={t}" for g in ("gate_up+swiglu", "down+weight") for t in (True, False)} <= labels
 
 
 def test_the_int8_gemm_uses_int8_mma_and_wgmma_on_hopper(compiled):
@@ -54,6 +57,9 @@ def test_the_int8_gemm_uses_int8_mma_and_wgmma_on_hopper(compiled):
     assert any(i.startswith("wgmma") for r in gemm if r["arch"] == 90 for i in r["mma"])   # the prefill tiles
     assert not any(i.startswith("wgmma") for r in gemm if r["arch"] == 80 for i in r["mma"])
     assert all(any("bf16" in i for i in r["mma"]) for r in results if r["kernel"] == "float_linear_kernel")
+    # the int4 GEMM's dot is full fp32 (the contract's fp32 dequantized weight): FMA, no bf16 / TF32 MMA that would
+    # round the weight or x
+    assert all(r["mma"] == [] for r in results if r["kernel"] == "w4a16_kernel" or "w4a16" in r["label"])
 
 
 def test_the_checks_catch_spills_shared_memory_and_a_gemm_without_mma():

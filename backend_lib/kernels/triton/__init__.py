@@ -2,6 +2,7 @@
 
   common.py     the interpreter switch and the rounding helpers shared by the kernels
   linear.py     A8W8 (fused per-token int8 quantization + int8 GEMM, bit-exact) and float linear
+  w4a16.py      int4 weight-only (W4A16): the weight packed two codes a byte, dequantized in registers
   norm.py       RMSNorm, add + RMSNorm, q/k-norm + RoPE, SiLU-mul
   attention.py  paged attention (prefill and decode), KV write, TurboQuant write / rotated-space attention
   moe.py        the fused MoE: pairs sorted by expert and padded to the block, grouped GEMMs, the combine

@@ -2,7 +2,7 @@
 
 `triton.compile` with a `GPUTarget` builds PTX and a cubin with no GPU present; the bundled ptxas (-v) reports
 registers and spill bytes; the compiled metadata the shared memory. Variants: the launch configurations of
-linear.py / norm.py / attention.py (imported with TRITON_INTERPRET unset, so they are the GPU ones) at the
+linear.py / w4a16.py / norm.py / attention.py (imported with TRITON_INTERPRET unset, so they are the GPU ones) at the
 shapes of Qwen3-0.6B, 8B and 14B (GQA groups 2, 4, 5) in bf16 with the default page size, dense and TurboQuant KV,
 and the fused MoE kernels (moe.py) at each of their tile buckets.
 
@@ -47,7 +47,7 @@ def variants() -> list[Variant]:
     import triton
 
     from ...kv_cache.layout import key_block_width
-    from . import attention, linear, moe, norm
+    from . import attention, linear, moe, norm, w4a16
 
     out: list[Variant] = []
 
@@ -66,9 +66,20 @@ def variants() -> list[Variant]:
         cfg = linear.FLOAT_CONFIG
         add(linear.float_linear_kernel, {"x_ptr": bf, "w_ptr": bf, "y_ptr": f"*{out_dtype}"},
             {**cfg, "OUT": code, "INTERP": False, "PREC": 0}, cfg, f"float_linear out={out_dtype}")
+    # int4 weight-only (w4a16.py): one tiling for every M; a group a multiple of BLOCK_K (one [BLOCK_N] load of
+    # scales / zeros per tile) or not (gathered per element: group 16, channel-wise over a K no multiple of it),
+    # with and without the act-order perm
+    cfg = w4a16.W4A16_CONFIG
+    for tile_group in (True, False):
+        for has_perm in (False, True):
+            add(w4a16.w4a16_kernel, {"x_ptr": bf, "w_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*fp32",
+                                     "perm_ptr": "*i32", "y_ptr": bf},
+                {**cfg, "OUT": 1, "HAS_PERM": has_perm, "TILE_GROUP": tile_group, "INTERP": False}, cfg,
+                f"w4a16 tile_group={tile_group} perm={has_perm}")
     # the fused MoE (moe.py): gate/up + SwiGLU and down + router weight, A8W8 at each tile bucket and bf16 experts,
     # and the combine at Qwen3-30B-A3B / 235B-A22B's hidden sizes (8 experts per token)
-    moe_sig = {"a_ptr": bf, "ws_ptr": "*fp32", "pw_ptr": bf, "y_ptr": bf, "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+    moe_sig = {"a_ptr": bf, "ws_ptr": "*fp32", "wz_ptr": "*fp32", "pw_ptr": bf, "y_ptr": bf, "sorted_ptr": "*i32",
+               "bexp_ptr": "*i32",
                "npad_ptr": "*i32"}
     for quant in (True, False):
         for pairs, experts in moe.MOE_BUCKETS if quant else moe.MOE_BUCKETS[:1]:
@@ -76,9 +87,17 @@ def variants() -> list[Variant]:
                 cfg = moe.moe_config(quant, pairs, experts, gated)
                 add(moe.moe_gemm_kernel, {**moe_sig, "w_ptr": "*i8" if quant else bf},
                     {**cfg, "A_DIV": 8 if gated else 1, "QUANT": quant, "GATED": gated, "MUL_W": not gated,
-                     "EVEN_K": True, "OUT": 1, "INTERP": False, "PREC": 0}, cfg,
+                     "EVEN_K": True, "OUT": 1, "INTERP": False, "PREC": 0, "W4": False, "TILE_GROUP": False}, cfg,
                     f"moe {'a8w8' if quant else 'bf16'} {'gate_up+swiglu' if gated else 'down+weight'} "
                     f"BLOCK_M={cfg['BLOCK_M']}")
+    # packed int4 experts (W4A16): full fp32 dot; a group per K tile (group 128) or gathered
+    for gated in (True, False):
+        cfg = moe.moe_config(False, 1, 128, gated, w4=True)
+        for tile_group in (True, False):
+            add(moe.moe_gemm_kernel, {**moe_sig, "w_ptr": "*u8"},
+                {**cfg, "A_DIV": 8 if gated else 1, "QUANT": False, "GATED": gated, "MUL_W": not gated,
+                 "EVEN_K": True, "OUT": 1, "INTERP": False, "PREC": 1, "W4": True, "TILE_GROUP": tile_group}, cfg,
+                f"moe w4a16 {'gate_up+swiglu' if gated else 'down+weight'} tile_group={tile_group}")
     for hid in MOE_HIDDEN:
         block = min(moe.COMBINE_BLOCK, triton.next_power_of_2(hid))
         add(moe.moe_combine_kernel, {"c_ptr": bf, "y_ptr": bf}, {"TOPK": 8, "BLOCK": block, "OUT": 1}, {},

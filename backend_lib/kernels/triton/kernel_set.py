@@ -1,12 +1,12 @@
 """The Triton kernel set: every slot of the contract through the custom ops of ops.py."""
 from __future__ import annotations
 
-from .. import reference
 from ..contract import Kernels
 from ..moe import grouped_moe
 from . import ops
 from .attention import kv_shapes
 from .experts import PackedExperts, fused_moe, moe_weights
+from .w4a16 import w4a16_prepare
 
 
 def _qk_norm_rope(qkv, q_w, k_w, positions, cos_sin, num_heads, num_kv_heads, eps):
@@ -32,10 +32,9 @@ KERNELS = Kernels(
     silu_mul=ops.silu_mul,
     a8w8_prepare=lambda w_q, w_scale: (w_q.contiguous(), w_scale.float().contiguous()),
     a8w8_linear=lambda x, prepared: ops.a8w8_linear(x, *prepared),
-    # int4 weight-only: the reference (the weight dequantized once at load, one fp32 GEMM), which runs on any
-    # device; a Triton int4 GEMM is not written yet
-    w4a16_prepare=reference.w4a16_prepare,
-    w4a16_linear=reference.w4a16_linear,
+    # int4 weight-only: the weight kept packed two codes a byte, dequantized in registers (w4a16.py)
+    w4a16_prepare=w4a16_prepare,
+    w4a16_linear=lambda x, prepared: ops.w4a16_linear(x, *prepared),
     float_prepare=lambda w: w.contiguous(),
     float_linear=lambda x, w, out_dtype=None: ops.float_linear(x, w, out_dtype),
     float_rows=lambda w, ids: w.index_select(0, ids),

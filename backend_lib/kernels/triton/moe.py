@@ -19,6 +19,9 @@ A8W8):
   equals silu_mul(gate_up(x)). The down GEMM re-quantizes that row per pair, like the composed down projection.
 - float (bf16 / fp16 / fp32 experts): float_linear_kernel's K blocking (its BLOCK_K, fdot), one tiling for every
   batch, so a row's summation order never depends on the step.
+- W4A16 (packed int4 experts, no act-order perm): each weight tile dequantized in registers exactly as
+  w4a16_kernel does, then the float path with full fp32 products (its tiling, interpreted: w4a16_kernel's
+  BLOCK_K, so the composed path's bits there).
 - the router weight: `round(y * w)` in the model dtype (one product of two model-dtype values, as `y * w`),
   then the combine adds each token's k products in ascending expert order, rounding to the model dtype after
   each add (`out = c0; out += c1; ...`). A token's output reads only its own pairs: batch invariant.
@@ -33,13 +36,16 @@ from .common import INTERPRET, fdot, out_code, rne, round_out
 
 
 @triton.jit
-def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, pw_ptr, y_ptr, sorted_ptr, bexp_ptr, npad_ptr, P, N, K, stride_am,
-                    stride_ym, A_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, wz_ptr, pw_ptr, y_ptr, sorted_ptr, bexp_ptr, npad_ptr, P, N, K, G, GS,
+                    stride_am, stride_ym, A_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, QUANT: tl.constexpr, GATED: tl.constexpr, MUL_W: tl.constexpr,
-                    EVEN_K: tl.constexpr, OUT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
+                    EVEN_K: tl.constexpr, OUT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+                    W4: tl.constexpr, TILE_GROUP: tl.constexpr):
     """Program (block of BLOCK_M sorted pair slots, BLOCK_N output columns). Rows of A: pair // A_DIV (the
     token's hidden row for gate/up, A_DIV = k; the pair's intermediate row for down, A_DIV = 1). The expert's
-    weight is w[e] [N_w, K] (N_w = 2N gated: gate rows [0, N), up rows [N, 2N)). y [P, N]."""
+    weight is w[e] [N_w, K] (N_w = 2N gated: gate rows [0, N), up rows [N, 2N)). y [P, N]. W4: w[e] is packed
+    int4 [N_w, ceil(K / 2)] uint8 (w4a16.py's layout) with fp32 scales ws / zeros wz [E, N_w, G] (groups of GS
+    columns), dequantized per tile as w4a16_kernel does (QUANT False: the float path's fp32 accumulation)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -53,10 +59,17 @@ def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, pw_ptr, y_ptr, sorted_ptr, bexp_ptr, n
     rn_c = tl.minimum(rn, N - 1)                              # columns past N read column N - 1 (never stored)
     rk = tl.arange(0, BLOCK_K)
     n_w = 2 * N if GATED else N
-    w_base = w_ptr + e * n_w * K                              # the expert's weight (a scalar 64-bit address)
     # int32 offsets from scalar bases: one register per element, not a 64-bit pointer (no register spills)
     a_offs = (row * stride_am)[:, None] + rk[None, :]
-    w_offs = rn_c[None, :] * K + rk[:, None]                   # [BLOCK_K, BLOCK_N] tile of W^T
+    if W4:
+        kp = (K + 1) // 2
+        w_base = w_ptr + e * n_w * kp
+        sz_base = e * n_w                                    # the expert's first row of scales / zeros
+        w_offs = rn_c[None, :] * kp + (rk // 2)[:, None]       # a byte per two columns
+        shift = ((rk % 2) * 4).to(tl.uint8)[:, None]
+    else:
+        w_base = w_ptr + e * n_w * K                          # the expert's weight (a scalar 64-bit address)
+        w_offs = rn_c[None, :] * K + rk[:, None]               # [BLOCK_K, BLOCK_N] tile of W^T
     if QUANT:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -72,7 +85,12 @@ def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, pw_ptr, y_ptr, sorted_ptr, bexp_ptr, n
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if W4:
+            k_ok = (k0 + rk) < K
+            at = tl.load(a_ptr + k0 + a_offs, mask=k_ok[None, :], other=0.0)
+            wg = _w4_tile(w_base + k0 // 2 + w_offs, wz_ptr, ws_ptr, sz_base + rn_c, k0, rk, k_ok, shift, G, GS,
+                          TILE_GROUP)
+        elif EVEN_K:
             at = tl.load(a_ptr + k0 + a_offs)
             wg = tl.load(w_base + k0 + w_offs)
         else:
@@ -86,7 +104,10 @@ def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, pw_ptr, y_ptr, sorted_ptr, bexp_ptr, n
         else:
             acc_g += fdot(at, wg, INTERP, PREC)
         if GATED:
-            if EVEN_K:
+            if W4:
+                wu = _w4_tile(w_base + N * kp + k0 // 2 + w_offs, wz_ptr, ws_ptr, sz_base + N + rn_c, k0, rk,
+                              k_ok, shift, G, GS, TILE_GROUP)
+            elif EVEN_K:
                 wu = tl.load(w_base + N * K + k0 + w_offs)
             else:
                 wu = tl.load(w_base + N * K + k0 + w_offs, mask=((k0 + rk) < K)[:, None], other=0)
@@ -115,6 +136,23 @@ def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, pw_ptr, y_ptr, sorted_ptr, bexp_ptr, n
 
 
 @triton.jit
+def _w4_tile(ptrs, wz_ptr, ws_ptr, rows, k0, rk, k_ok, shift, G, GS, TILE_GROUP: tl.constexpr):
+    """fp32 [BLOCK_K, BLOCK_N] of W^T from packed int4 bytes: `(code - zero) * scale` (w4a16_kernel's math);
+    rows: the tile's weight rows (of the stacked [E * N_w, G] scales / zeros). Columns past K give 0."""
+    b = tl.load(ptrs, mask=k_ok[:, None], other=0)        # k0 is even (BLOCK_K is), so k0 // 2 is its byte
+    codes = ((b >> shift) & 0xF).to(tl.float32)
+    if TILE_GROUP:          # one group per tile
+        g = k0 // GS
+        s = tl.load(ws_ptr + rows * G + g)[None, :]
+        z = tl.load(wz_ptr + rows * G + g)[None, :]
+    else:
+        g = (k0 + rk) // GS
+        s = tl.load(ws_ptr + rows[None, :] * G + g[:, None], mask=k_ok[:, None], other=0.0)
+        z = tl.load(wz_ptr + rows[None, :] * G + g[:, None], mask=k_ok[:, None], other=0.0)
+    return tl.where(k_ok[:, None], (codes - z) * s, 0.0)
+
+
+@triton.jit
 def moe_combine_kernel(c_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr, OUT: tl.constexpr):
     """Program (token, block of columns): out = c[t, 0] + c[t, 1] + ... in order, rounded after each add."""
     t = tl.program_id(0).to(tl.int64)
@@ -132,10 +170,14 @@ def moe_combine_kernel(c_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr,
 # interpreted, float_linear_kernel's BLOCK_K, so that it gives the composed path's bits there. The two launches
 # of a step share BLOCK_M (align's padding); the gated one holds two accumulators and two weight tiles, so its
 # tiles are narrower. Sized so that no variant spills registers on sm_90 / sm_80 (tests/test_triton_aot.py).
-def moe_config(quant: bool, pairs: int, experts: int, gated: bool = False) -> dict:
-    """The tiles of one of a step's MoE GEMMs: a function of the shapes only."""
+def moe_config(quant: bool, pairs: int, experts: int, gated: bool = False, w4: bool = False) -> dict:
+    """The tiles of one of a step's MoE GEMMs: a function of the shapes only. W4A16 (w4): one tiling for every
+    batch with w4a16.py's BLOCK_K (the composed path's K order); the gated kernel's two fp32 FMA dots and two
+    dequantized tiles need its narrow N tiles (16 x 16 x 32) to stay below 255 registers with no spills."""
     if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+    if w4:
+        return dict(BLOCK_M=16, BLOCK_N=16 if gated else 64, BLOCK_K=32, num_warps=4, num_stages=3)
     if not quant:
         return dict(BLOCK_M=16, BLOCK_N=32 if gated else 64, BLOCK_K=64, num_warps=4, num_stages=3)
     if pairs <= 4 * experts:       # decode: about one row per touched expert, bandwidth bound
@@ -179,24 +221,33 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
              num_padded: torch.Tensor, pair_weights, num_pairs: int, a_div: int, gated: bool,
-             out_dtype: torch.dtype, cfg: dict) -> torch.Tensor:
+             out_dtype: torch.dtype, cfg: dict, w_zero=None) -> torch.Tensor:
     """a [rows, K] (a row per token, a_div = k; or per pair, a_div = 1); w [E, N_w, K] int8 (w_scale fp32
-    [E, N_w]) or float; -> y [num_pairs, N] in out_dtype (N = N_w / 2 gated, SwiGLU; times pair_weights [P]
-    when given)."""
+    [E, N_w]), float, or packed int4 uint8 [E, N_w, ceil(K / 2)] (w_scale / w_zero fp32 [E, N_w, G]); -> y
+    [num_pairs, N] in out_dtype (N = N_w / 2 gated, SwiGLU; times pair_weights [P] when given)."""
     a = a if a.stride(-1) == 1 else a.contiguous()
     e, n_w, k = w.shape
+    w4 = w.dtype == torch.uint8
+    groups, gs = 1, 1
+    if w4:
+        k = a.shape[1]
+        groups = w_scale.shape[2]
+        gs = k // groups
+        if w.shape[2] != (k + 1) // 2 or k % groups:
+            raise ValueError(f"moe w4a16: rows of {k} columns, packed experts {tuple(w.shape)} in {groups} groups")
     n = n_w // 2 if gated else n_w
     y = torch.empty((num_pairs, n), dtype=out_dtype, device=a.device)
     if num_pairs == 0:
         return y
     quant = w.dtype == torch.int8
-    full = not quant and (torch.float32 in (a.dtype, w.dtype) or a.dtype != w.dtype)
+    full = w4 or (not quant and (torch.float32 in (a.dtype, w.dtype) or a.dtype != w.dtype))   # W4: fp32 weight
     grid = (sorted_pairs.shape[0] // cfg["BLOCK_M"], triton.cdiv(n, cfg["BLOCK_N"]))
-    moe_gemm_kernel[grid](a, w, w_scale if quant else w, pair_weights if pair_weights is not None else a, y,
-                          sorted_pairs, block_expert, num_padded, num_pairs, n, k, a.stride(0), y.stride(0),
-                          A_DIV=a_div, QUANT=quant, GATED=gated, MUL_W=pair_weights is not None,
+    moe_gemm_kernel[grid](a, w, w_scale if quant or w4 else w, w_zero if w4 else w,
+                          pair_weights if pair_weights is not None else a, y,
+                          sorted_pairs, block_expert, num_padded, num_pairs, n, k, groups, gs, a.stride(0),
+                          y.stride(0), A_DIV=a_div, QUANT=quant, GATED=gated, MUL_W=pair_weights is not None,
                           EVEN_K=k % cfg["BLOCK_K"] == 0, OUT=out_code(out_dtype), INTERP=INTERPRET,
-                          PREC=int(full), **cfg)
+                          PREC=int(full), W4=w4, TILE_GROUP=w4 and gs % cfg["BLOCK_K"] == 0, **cfg)
     return y
 
 

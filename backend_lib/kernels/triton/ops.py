@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from . import attention, linear, moe, norm
+from . import attention, linear, moe, norm, w4a16
 
 
 @custom_op("qwen3_triton::a8w8_linear", mutates_args=())
@@ -24,6 +24,16 @@ def a8w8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor) -> Tensor:
 @a8w8_linear.register_fake
 def _(x, w_q, w_scale):
     return x.new_empty((*x.shape[:-1], w_q.shape[0]))
+
+
+@custom_op("qwen3_triton::w4a16_linear", mutates_args=())
+def w4a16_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor, perm: Optional[Tensor]) -> Tensor:
+    return w4a16.w4a16_linear(x, packed, scales, zeros, perm)
+
+
+@w4a16_linear.register_fake
+def _(x, packed, scales, zeros, perm):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 @custom_op("qwen3_triton::float_linear", mutates_args=())
@@ -127,14 +137,15 @@ def _(q, k_codes, k_scales, v_codes, v_scales, block_tables, query_start_loc, se
 @custom_op("qwen3_triton::moe_gemm", mutates_args=())
 def moe_gemm(a: Tensor, w: Tensor, w_scale: Optional[Tensor], sorted_pairs: Tensor, block_expert: Tensor,
              num_padded: Tensor, pair_weights: Optional[Tensor], num_pairs: int, a_div: int, gated: bool,
-             out_dtype: torch.dtype) -> Tensor:
-    cfg = moe.moe_config(w.dtype == torch.int8, num_pairs, w.shape[0], gated)
+             out_dtype: torch.dtype, w_zero: Optional[Tensor] = None) -> Tensor:
+    cfg = moe.moe_config(w.dtype == torch.int8, num_pairs, w.shape[0], gated, w.dtype == torch.uint8)
     return moe.moe_gemm(a, w, w_scale, sorted_pairs, block_expert, num_padded, pair_weights, num_pairs, a_div,
-                        gated, out_dtype, cfg)
+                        gated, out_dtype, cfg, w_zero)
 
 
 @moe_gemm.register_fake
-def _(a, w, w_scale, sorted_pairs, block_expert, num_padded, pair_weights, num_pairs, a_div, gated, out_dtype):
+def _(a, w, w_scale, sorted_pairs, block_expert, num_padded, pair_weights, num_pairs, a_div, gated, out_dtype,
+      w_zero=None):
     return a.new_empty((num_pairs, w.shape[1] // 2 if gated else w.shape[1]), dtype=out_dtype)
 
 
