@@ -1,6 +1,6 @@
 """Verification-shaped steps of the C++ layer loop: the one parallel region against the op-by-op path.
 
-    python -m bench.verify_step --checkpoint DIR [--threads 2] [--rounds 5] [--steps 8] [--context 128]
+    python -m bench.verify_step --checkpoint DIR [--threads 2] [--rounds 5] [--steps 8] [--context 128] [--aux]
 
 Hand-built steps (every sequence `context` tokens cached, then 1 or k + 1 = 5 new rows: [1], [5], [1, 5, 1, 5],
 [5, 5, 5, 5]) through Qwen3ForCausalLM.forward with the C++ layer loop, timed two ways in alternation: as the
@@ -9,6 +9,10 @@ which the region refuses (its checks) while the ops convert it, so the same step
 its own parallel region), the same bits. Per shape: the best of `rounds` medians of `steps` forwards, and how
 many forwards ran in the region (decode_layers_profile). Only same-minute comparisons mean anything on a shared
 host.
+
+--aux ([spec] EAGLE-3): the same steps through Qwen3ForCausalLM.forward_aux (the aux states of layers 2, L / 2,
+L - 3, vLLM's default) in the C++ loop (the region writes them) against the Python layer loop (use_layer_loop off:
+where EAGLE-3 steps ran before the region wrote aux states).
 """
 from __future__ import annotations
 
@@ -57,6 +61,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--aux", action="store_true",
+                    help="forward_aux (EAGLE-3's aux states) in the C++ loop against the Python layer loop")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     eng = _engine(args.checkpoint)
@@ -64,16 +70,30 @@ def main() -> None:
     if not model.layer_loop.applies(kv):
         raise SystemExit("the C++ layer loop does not apply to this checkpoint (A8W8 or W4A16, cpu kernels, dense cache)")
 
-    def timed(ids, pos, meta):
-        model.forward(ids, pos, kv, meta)
+    L = len(model.layers)
+    aux_layers = (2, L // 2, L - 3)
+
+    def forward(ids, pos, meta, python=False):
+        if not args.aux:
+            return model.forward(ids, pos, kv, meta)
+        model.use_layer_loop = not python
+        try:
+            return model.forward_aux(ids, pos, kv, meta, aux_layers)
+        finally:
+            model.use_layer_loop = True
+
+    def timed(ids, pos, meta, python=False):
+        forward(ids, pos, meta, python)
         ts = []
         for _ in range(args.steps):
             t = time.perf_counter()
-            model.forward(ids, pos, kv, meta)
+            forward(ids, pos, meta, python)
             ts.append(time.perf_counter() - t)
         return statistics.median(ts) * 1e3
 
-    print(f"| rows per sequence | one region, ms | ops one by one, ms | forwards in the region |  ({args.threads} "
+    other = "Python loop (forward_aux)" if args.aux else "ops one by one"
+    first = f"one region{' (forward_aux)' if args.aux else ''}"
+    print(f"| rows per sequence | {first}, ms | {other}, ms | forwards in the region |  ({args.threads} "
           f"threads, {args.context} tokens cached)\n|---|---|---|---|")
     for rows in SHAPES:
         ids, pos, meta, ops = _step(kv.page_size, rows, args.context)
@@ -81,7 +101,7 @@ def main() -> None:
         region, op_by_op = [], []
         for _ in range(args.rounds):   # alternated
             region.append(timed(ids, pos, meta))
-            op_by_op.append(timed(ids, pos, ops))
+            op_by_op.append(timed(ids, pos, meta, python=True) if args.aux else timed(ids, pos, ops))
         n = int(torch.ops.qwen3_cpu.decode_layers_profile(False)[0, -1].item())
         print(f"| {rows} | {min(region):.2f} | {min(op_by_op):.2f} | {n} of {2 * args.rounds * (args.steps + 1)} |",
               flush=True)

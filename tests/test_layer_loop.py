@@ -449,3 +449,127 @@ def test_ngram_speculation_runs_its_verifications_in_the_region(a8w8_ckpt):
     prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
     assert twins[1].multi_row_region_steps >= 3   # steps with a verifying sequence's rows
     assert prof[0, -1].item() == twins[0].region_steps + twins[1].region_steps
+
+
+# ----- [spec] EAGLE-3: the region writes the target's aux hidden states -----------------------------------------
+
+def _forward_aux_both(model, kv, ids, pos, meta, aux_layers):
+    """forward_aux through the Python loop (the reference) on a copy of the cache, then through the C++ loop on
+    the cache itself: hidden states, aux states and every layer's K/V torch.equal. Returns the C++ loop's
+    (hidden, aux)."""
+    saved = [t.clone() for t in kv.k + kv.v]
+    model.use_layer_loop = False
+    try:
+        ref, ref_aux = model.forward_aux(ids, pos, kv, meta, aux_layers)
+    finally:
+        model.use_layer_loop = True
+    ref_kv = [t.clone() for t in kv.k + kv.v]
+    for t, s in zip(kv.k + kv.v, saved):
+        t.copy_(s)
+    out, aux = model.forward_aux(ids, pos, kv, meta, aux_layers)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)
+    assert aux.shape == (ids.numel(), len(aux_layers) * model.cfg.hidden_size) and aux.dtype == ref_aux.dtype
+    assert torch.equal(aux, ref_aux)
+    assert all(torch.equal(a, b) for a, b in zip(kv.k + kv.v, ref_kv))
+    return out, aux
+
+
+# the steps of FEW_ROWS (the region) and two the region refuses (a prefill chunk of 18 rows; 65 rows in all)
+AUX_STEPS = FEW_ROWS + [([18], [5]), ([1] * 65, [2] * 65)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("which,dtype", [("dense", "bfloat16"), ("dense", "float32"), ("moe", "bfloat16")])
+def test_region_writes_eagle3_aux_states_with_forward_aux_bits(a8w8_ckpt, ckpts, which, dtype, threads):
+    """Qwen3ForCausalLM.forward_aux through the C++ loop (the op writes the residual stream entering each aux
+    layer: 0 the embeddings, L the last layer's output before the final norm) against its Python loop: the same
+    hidden, aux and K/V bits, in the region (one row per thread's own buffers, rows split) and op by op, aux ids
+    in any order; dense (2 layers) and mixed dense / sparse (4 layers) A8W8 models."""
+    ckpt = a8w8_ckpt if which == "dense" else _moe_mixed(ckpts)
+    eng = make_engine(ckpt, dtype=dtype, max_num_seqs=16, kv_cache_memory="8MiB", max_model_len=256)
+    model, kv = eng.runner.model, eng.runner.kv_cache
+    assert model.layer_loop.applies(kv)
+    L = len(model.layers)
+    orders = [tuple(range(L + 1))[:3], (L, 0, L // 2), (L - 1,)]
+    if which == "moe":
+        orders.append((0, 1, 2, 3, 4))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, (rows, cached) in enumerate(AUX_STEPS):
+            for aux_layers in orders:
+                ids, pos, meta = _few_rows_step(eng, rows, cached, seed=i)
+                torch.ops.qwen3_cpu.decode_layers_profile(True)
+                _, aux = _forward_aux_both(model, kv, ids, pos, meta, aux_layers)
+                in_region = torch.ops.qwen3_cpu.decode_layers_profile(False)[0, -1].item()
+                assert in_region == _region_shape(rows), rows
+                hid = model.cfg.hidden_size
+                if 0 in aux_layers:   # slot of layer 0: the embeddings themselves
+                    j = aux_layers.index(0)
+                    assert torch.equal(aux[:, j * hid:(j + 1) * hid], model.embed(ids))
+    finally:
+        torch.set_num_threads(old)
+
+
+class AuxTwin:
+    """Runs every forward_aux twice (the Python loop on a copy of the KV cache, then the C++ loop: the same
+    hidden, aux and K/V bits, _forward_aux_both) and counts its steps: all, those of the region's shapes, and
+    those with a verification (a sequence with cached tokens and several rows)."""
+
+    def __init__(self, eng):
+        self.model, self.kv = eng.runner.model, eng.runner.kv_cache
+        self.forward_aux = self.model.forward_aux
+        self.steps = self.region_steps = self.verify_steps = 0
+        self.model.forward_aux = self
+
+    def __call__(self, input_ids, positions, kv_cache, meta, aux_layers):
+        m = self.model
+        assert m.layer_loop.applies(kv_cache)
+        m.forward_aux = self.forward_aux
+        try:
+            out, aux = _forward_aux_both(m, kv_cache, input_ids, positions, meta, aux_layers)
+        finally:
+            m.forward_aux = self
+        rows = meta.query_start_loc.diff().tolist()
+        cached = (meta.seq_lens - meta.query_start_loc.diff()).tolist()
+        self.steps += 1
+        if _region_shape(rows):
+            self.region_steps += 1
+            self.verify_steps += any(r > 1 and c > 0 for r, c in zip(rows, cached))
+        return out, aux   # the C++ loop's
+
+
+def test_eagle3_steps_run_in_the_region_with_the_ids_of_speculation_off(a8w8_ckpt, tmp_path, threads=2):
+    """Through the engine: an EAGLE-3 head (the copy head: its drafts are accepted) on the A8W8 target; every
+    step that hands the head aux states runs the C++ loop with forward_aux's Python-loop bits (AuxTwin), the
+    verifications and decode rows in the one region (its profile's count), and the ids (greedy, seeded) are
+    those of speculation off. Two threads (rows split or in each thread's own buffers; one thread and the row
+    kinds are test_region_writes_eagle3_aux_states_with_forward_aux_bits's)."""
+    import json
+
+    from backend_lib.tools.make_eagle3_head import build as build_head
+    from spec_helpers import GREEDY, PROMPTS, SEEDED, compare_spec
+
+    head = build_head(a8w8_ckpt, tmp_path / "copy", copy=True)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0}
+    off = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
+    on = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256,
+                     speculative_config=json.dumps(spec))
+    assert on.runner.aux_layers == (0, 1, 2)
+    prompts = [off.tokenizer.encode(p) for p in PROMPTS]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        twin, off_twin = AuxTwin(on), Twin(off)
+        base = on.runner.model.forward
+        plain_calls = []
+        on.runner.model.forward = lambda *a: (plain_calls.append(1), base(*a))[1]
+        torch.ops.qwen3_cpu.decode_layers_profile(True)
+        compare_spec(off, on, prompts[1:2], GREEDY, min_accepted=4)   # alone (batch-1 rows)
+        compare_spec(off, on, prompts, [GREEDY, SEEDED, GREEDY, {**SEEDED, "seed": 3}], min_accepted=4)
+        prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
+    finally:
+        torch.set_num_threads(old)
+    assert not plain_calls   # every step of the head's sequences asked for aux states
+    assert twin.verify_steps >= 10 and twin.region_steps > twin.verify_steps
+    assert prof[0, -1].item() == twin.region_steps + off_twin.region_steps

@@ -256,14 +256,23 @@ def test_head_state_is_freed_with_its_sequence_and_on_preemption(bf16_ckpt, bf16
 
 
 def test_the_a8w8_layer_loop_target_is_unchanged_by_the_aux_capture(a8w8_ckpt, tmp_path):
-    """The A8W8 target runs its C++ layer loop without a head and the Python loop (forward_aux) with one:
-    the same ids and logprobs (bf16, the served configuration)."""
+    """The A8W8 target runs its C++ layer loop with a head too (forward_aux: the op writes the aux states, its
+    few-row steps in the one region, counted by its profile): the same ids and logprobs as without one (bf16,
+    the served configuration). Every step's bits against the Python loop: tests/test_layer_loop.py."""
     head = build_head(a8w8_ckpt, tmp_path / "copy", copy=True)
     off = make_engine(a8w8_ckpt, dtype="bfloat16")
     on = make_engine(a8w8_ckpt, dtype="bfloat16", speculative_config=spec(head, k=3, min_acceptance=0.0))
     assert off.runner.model.layer_loop.applies(off.runner.kv_cache)
     prompts = _prompts(off)
-    _compare(off, on, prompts, [{**GREEDY, "logprobs": 2}, SEEDED, GREEDY, {**SEEDED, "seed": 3, "logprobs": 0}])
+    datas = [{**GREEDY, "logprobs": 2}, SEEDED, GREEDY, {**SEEDED, "seed": 3, "logprobs": 0}]
+    expected = _run(off, prompts, datas)
+    before = on.stats.spec_num_accepted_tokens
+    torch.ops.qwen3_cpu.decode_layers_profile(True)
+    got = _run(on, prompts, datas)
+    in_region = torch.ops.qwen3_cpu.decode_layers_profile(False)[0, -1].item()
+    assert got == expected and on.stats.spec_num_accepted_tokens > before
+    assert on.block_manager.num_used == 0 and not on._seqs
+    assert in_region >= 20   # the head's steps (verifications, decodes, short prefills) in the region
 
 
 def test_a_failing_head_drafts_nothing_and_the_requests_go_on(bf16_engine, heads, bf16_ckpt, monkeypatch):

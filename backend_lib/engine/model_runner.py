@@ -150,7 +150,8 @@ class ModelRunner:
             raise InjectedFault(f"injected fault at step {self.steps} (fault_injection every:{self.fault_every})")
         steps = plan.seqs
         result = StepResult()
-        # [spec] rows of sequences an EAGLE-3 head drafts for: their aux hidden states too (the Python loop)
+        # [spec] rows of sequences an EAGLE-3 head drafts for: their aux hidden states too (forward_aux: the C++
+        # layer loop where it applies, else the Python loop; never the graphs, which return no aux)
         aux = self.aux_layers is not None and any(self.wants_aux(seq) for seq, _ in steps)
         # a step with LoRA rows runs eagerly (the graphs hold the base model's forward only)
         base = not aux and not any(seq.lora for seq, _ in steps)

@@ -84,10 +84,14 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta,
                     aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[spec] forward() through the Python loop (the layer loop's bits, tests/test_layer_loop.py), also
-        returning the residual stream entering each layer of aux_layers (EAGLE-3's auxiliary hidden states:
-        0 is the embeddings, len(layers) the last layer's output before the final norm), [T, len * hidden]."""
+        """[spec] forward(), also returning the residual stream entering each layer of aux_layers (EAGLE-3's
+        auxiliary hidden states: 0 is the embeddings, len(layers) the last layer's output before the final norm),
+        [T, len * hidden]. Through the C++ layer loop where forward() takes it (it writes the states itself), else
+        the Python loop below (the reference: the same bits, tests/test_layer_loop.py)."""
         x = self.embed(input_ids)
+        if self.use_layer_loop and self.layer_loop.applies(kv_cache):
+            aux = torch.empty((x.shape[0], len(aux_layers) * x.shape[1]), dtype=x.dtype, device=x.device)
+            return self.layer_loop(x, positions, kv_cache, meta, aux, aux_layers), aux
         residual = None
         caps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

@@ -8,7 +8,8 @@ permutation (each linear of its own kind, as the checkpoint has it), a dense KV 
 (layers/moe.py) where the router is a FloatLinear, the routing layers/moe.py's route() and the experts A8W8 or
 W4A16 in the set's native op (kernels/cpu/moe.py's table_of, the table the Python layer uses). Anything else
 (float weights or experts, GPTQ act-order int4 weights, TurboQuant, linears wrapped with per-row features, expert
-parallelism) takes the Python loop.
+parallelism) takes the Python loop. With `aux` the op also writes EAGLE-3's aux hidden states ([spec],
+Qwen3ForCausalLM.forward_aux), in the region and op by op alike.
 
 Per layer the op's list holds the four norms, each linear's first three prepared tensors (A8W8: packed, scale,
 colsum; W4A16: packed, scales, zeros), and last a float64 [4, 2]: per linear (qkv, o, gate_up, down) its output
@@ -93,7 +94,10 @@ class LayerLoop:
             self.layers = [t.detach() for t in flat]
         return self.layers
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta, aux: torch.Tensor | None = None,
+                 aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """aux ([spec] EAGLE-3, with aux_layers): [T, len(aux_layers) * hidden], written by the op with the residual
+        stream entering each of those layers, as Qwen3ForCausalLM.forward_aux's Python loop captures it."""
         if self.caches is None or self.caches[0] is not kv_cache:
             self.caches = (kv_cache, list(kv_cache.k), list(kv_cache.v))
         _, k, v = self.caches
@@ -101,4 +105,5 @@ class LayerLoop:
         m = self.model
         return torch.ops.qwen3_cpu.decode_layers(x, self._layer_tensors(), k, v, positions, m.cos_sin,
                                                  meta.slot_mapping, meta.block_tables, meta.query_start_loc,
-                                                 meta.seq_lens, m.norm.detach(), h, kvh, eps, scale)
+                                                 meta.seq_lens, m.norm.detach(), h, kvh, eps, scale, aux,
+                                                 list(aux_layers))

@@ -36,6 +36,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -194,11 +195,25 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor* w, int64_t j) {
                       static_cast<int64_t>(d[2 * j]), d[2 * j + 1]);
 }
 
+// [spec] EAGLE-3's aux hidden states: out [T, n * hidden] in x's dtype, slot j the residual stream entering layer
+// ids[j] (0: the embeddings, L: the last layer's output before the final norm), as Qwen3ForCausalLM.forward_aux
+// captures it (x + residual there: add_rms_norm's sum, the same fp32 add and one rounding). n = 0: none.
+struct AuxOut {
+  at::Tensor out;
+  const int64_t* ids = nullptr;
+  int64_t n = 0;
+  void capture(int64_t layer, const at::Tensor& rows) const {
+    for (int64_t j = 0; j < n; ++j)
+      if (ids[j] == layer) out.narrow(1, j * rows.size(1), rows.size(1)).copy_(rows);
+  }
+};
+
 at::Tensor decode_layers_ops(const at::Tensor& x_in, at::TensorList layers, at::TensorList k_caches,
                              at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                             const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale) {
+                             const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale,
+                             const AuxOut& aux) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   const int64_t T = x_in.size(0);
   at::Tensor x = x_in, residual;
@@ -211,6 +226,7 @@ at::Tensor decode_layers_ops(const at::Tensor& x_in, at::TensorList layers, at::
     } else {
       std::tie(h, residual) = add_rms_norm(x, residual, w[kInputNorm], eps);
     }
+    aux.capture(l, residual);   // the residual stream entering layer l
     // Qwen3Attention.forward
     at::Tensor q, k, v;
     std::tie(q, k, v) = qk_norm_rope(linear_op(h, w, kLinQkv), w[kQNorm], w[kKNorm], positions, cos_sin, H, KVH, eps);
@@ -226,7 +242,10 @@ at::Tensor decode_layers_ops(const at::Tensor& x_in, at::TensorList layers, at::
     // Qwen3MLP.forward
     x = linear_op(silu_mul(linear_op(h, w, kLinGateUp)), w, kLinDown);
   }
-  return std::get<0>(add_rms_norm(x, residual, final_norm, eps));
+  at::Tensor out;
+  std::tie(out, residual) = add_rms_norm(x, residual, final_norm, eps);
+  aux.capture(L, residual);   // the last layer's output before the final norm
+  return out;
 }
 
 // One linear of the region: its weight and the panels a thread takes at a time (a chunk); A8W8 (kind moe::kA8W8:
@@ -411,6 +430,9 @@ struct Step {
   const float* cos_sin;
   parts::AttnArgs attn;
   T* out;
+  T* aux;                 // AuxOut's rows (nullptr: none), aux_n slots of hid per row
+  const int64_t* aux_ids;
+  int64_t aux_n;
   std::chrono::steady_clock::time_point t_entry;   // decode_layers' start (the profile's prologue)
 };
 
@@ -542,6 +564,16 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
 #pragma omp barrier
       clk.mark(static_cast<Phase>(p + 1));   // the wait for the others' panels
     };
+    // [spec] rows r_lo .. r_hi of src (the residual stream entering layer `layer`) into its aux slots: written by
+    // the thread that holds them (redundant rows: thread 0's copy, every copy the same bits); read after the region
+    auto capture = [&](int64_t layer, const T* src) {
+      if (redundant && tid != 0) return;
+      for (int64_t j = 0; j < s.aux_n; ++j)
+        if (s.aux_ids[j] == layer)
+          for (int64_t r = r_lo; r < r_hi; ++r)
+            std::memcpy(s.aux + (r * s.aux_n + j) * hid, src + r * hid, hid * sizeof(T));
+    };
+    capture(0, s.x_in);
     for (int64_t l = 0; l < s.L; ++l) {
       std::atomic<int64_t>* home = homes + l * 4 * nt * kLine;   // this layer's four GEMVs
       std::atomic<int64_t>& items_next = items_ctr[l * kLine];
@@ -552,6 +584,7 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
         else parts::add_rms_norm_row(xb + r * hid, res + r * hid, s.in_norm[l], hn + r * hid, res + r * hid, hid, s.eps);
         prep_row(s.qkv[l], hn + r * hid, r, xu, sc);
       }
+      if (l > 0) capture(l, res);
       rows_done(kNormIn);
       gemv(s.qkv[l], home, qkv, kQkv);
       // per (sequence, KV head): q/k-norm + RoPE of its heads and its K/V row into the cache for EVERY row of the
@@ -656,6 +689,7 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
     if (!redundant || tid == 0)
       for (int64_t r = r_lo; r < r_hi; ++r)
         parts::add_rms_norm_row(xb + r * hid, res + r * hid, s.final_norm, s.out + r * hid, res + r * hid, hid, s.eps);
+    capture(s.L, res);
     clk.mark(kFinal);
   }
   TORCH_CHECK(!failed, "decode_layers: the routing of a sparse layer failed");
@@ -672,7 +706,8 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
                                 at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin,
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale) {
+                                const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale,
+                                const AuxOut& aux) {
   const auto t_entry = std::chrono::steady_clock::now();
   const int64_t L = static_cast<int64_t>(k_caches.size()), Tn = x_in.size(0), hid = x_in.size(1);
   const auto dt = x_in.scalar_type();
@@ -759,6 +794,8 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
               S, KW, static_cast<float>(scale)};
     at::Tensor out = at::empty({Tn, hid}, x_in.options());
     s.out = static_cast<T*>(out.data_ptr());
+    s.aux = aux.n ? static_cast<T*>(aux.out.data_ptr()) : nullptr;
+    s.aux_ids = aux.ids, s.aux_n = aux.n;
     static thread_local Workspace ws;
     run_region(s, nt, ws);
     return out;
@@ -796,20 +833,34 @@ at::Tensor decode_layers_profile(bool enable) {
 
 // x [T, hidden] (the step's embedded tokens) -> the final-normed hidden states [T, hidden], as
 // Qwen3ForCausalLM.forward computes them; writes the step's K/V rows into k_caches / v_caches (one per layer).
+// [spec] aux (with aux_layers, n ids in [0, L]): written with EAGLE-3's aux hidden states, [T, n * hidden] (AuxOut).
 at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList layers, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& final_norm,
-                         int64_t H, int64_t KVH, double eps, double scale) {
+                         int64_t H, int64_t KVH, double eps, double scale, const c10::optional<at::Tensor>& aux,
+                         at::IntArrayRef aux_layers) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * kPerLayer && static_cast<int64_t>(v_caches.size()) == L,
               "decode_layers: ", kPerLayer, " tensors and one K and V cache per layer expected");
   TORCH_CHECK(x_in.dim() == 2, "decode_layers: x must be [T, hidden]");
+  AuxOut ax;
+  TORCH_CHECK(aux.has_value() == !aux_layers.empty(), "decode_layers: aux and aux_layers go together");
+  if (aux.has_value()) {
+    const int64_t n = static_cast<int64_t>(aux_layers.size());
+    const at::Tensor& a = *aux;
+    TORCH_CHECK(a.scalar_type() == x_in.scalar_type() && a.is_contiguous() && a.dim() == 2 &&
+                    a.size(0) == x_in.size(0) && a.size(1) == n * x_in.size(1),
+                "decode_layers: aux must be contiguous [T, ", n, " * hidden] in x's dtype");
+    for (const int64_t i : aux_layers)
+      TORCH_CHECK(i >= 0 && i <= L, "decode_layers: aux layer ", i, " outside [0, ", L, "]");
+    ax = {a, aux_layers.data(), n};
+  }
   at::Tensor out = decode_layers_region(x_in, layers, k_caches, v_caches, positions, cos_sin, slot_mapping,
-                                        block_tables, query_start_loc, seq_lens, final_norm, H, KVH, eps, scale);
+                                        block_tables, query_start_loc, seq_lens, final_norm, H, KVH, eps, scale, ax);
   if (out.defined()) return out;
   return decode_layers_ops(x_in, layers, k_caches, v_caches, positions, cos_sin, slot_mapping, block_tables,
-                           query_start_loc, seq_lens, final_norm, H, KVH, eps, scale);
+                           query_start_loc, seq_lens, final_norm, H, KVH, eps, scale, ax);
 }
 
 }  // namespace qk

@@ -38,7 +38,8 @@ at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& packed, const at:
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList layers, at::TensorList k_caches, at::TensorList v_caches,
                          const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                         const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale);
+                         const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale,
+                         const c10::optional<at::Tensor>& aux, at::IntArrayRef aux_layers);
 at::Tensor decode_layers_profile(bool enable);
 // memory.cpp: a zeroed CPU tensor for a large buffer streamed every step (packed weights, KV pools), on huge pages
 at::Tensor stream_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
