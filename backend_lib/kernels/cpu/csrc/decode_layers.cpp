@@ -24,14 +24,14 @@
 // in float_linear's chunks, on its activation rows (the model dtype's; bf16 widened to fp32 where float_linear
 // widens them, the AVX2 build): each output an fp32 sum in k order rounded once, whichever thread takes its panel.
 //
-// A Qwen3-MoE sparse layer (float, A8W8 or W4A16 experts) stays in the region too: the router GEMV (float_linear's panels, one
-// per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's route()
-// (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
+// A Qwen3-MoE sparse layer (float, A8W8 or W4A16 experts) stays in the region too: the router GEMV (float_linear's
+// panels, one per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's
+// route() (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
 // parallel_for runs serially) and plans the pairs per expert, while the others wait at a barrier; then the
 // experts' phases of moe_parts.h (the native MoE op's code: gate_up items, SwiGLU, down items, the combine into
 // the layer's output rows), a barrier after each; the token rows prepared as the MoE op prepares them for the
-// experts' kind (moe::prepare: quantized, widened to fp32, or float experts' rows in moe_experts' activation type). Batch 1 reads the router and its k experts' weights
-// only.
+// experts' kind (moe::prepare: quantized, widened to fp32, or float experts' rows in moe_experts' activation
+// type). Batch 1 reads the router and its k experts' weights only.
 //
 // Other steps (a sequence with more rows: prefill chunks; more than kMaxFusedRows rows) call the ops one after
 // another as the Python layers do (models/qwen3.py, layers/attention.py, layers/mlp.py), with the same arguments
