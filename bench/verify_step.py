@@ -68,7 +68,7 @@ def main() -> None:
     eng = _engine(args.checkpoint)
     model, kv = eng.runner.model, eng.runner.kv_cache
     if not model.layer_loop.applies(kv):
-        raise SystemExit("the C++ layer loop does not apply to this checkpoint (A8W8 or W4A16, cpu kernels, dense cache)")
+        raise SystemExit("the C++ layer loop does not apply to this checkpoint (A8W8, W4A16 or float weights, cpu kernels, dense cache)")
 
     L = len(model.layers)
     aux_layers = (2, L // 2, L - 3)

@@ -146,8 +146,8 @@ def test_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(a8w8_ck
 def test_python_loop_where_the_layer_loop_does_not_apply(a8w8_ckpt, bf16_ckpt):
     tq = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache="tq", kv_cache_memory="4MiB", max_model_len=256)
     assert not tq.runner.model.layer_loop.applies(tq.runner.kv_cache)
-    float_weights = make_engine(bf16_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
-    assert not float_weights.runner.model.layer_loop.applies(float_weights.runner.kv_cache)
+    float_tq = make_engine(bf16_ckpt, dtype="bfloat16", kv_cache="tq", kv_cache_memory="4MiB", max_model_len=256)
+    assert not float_tq.runner.model.layer_loop.applies(float_tq.runner.kv_cache)
     a8w8 = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
     assert a8w8.runner.model.layer_loop.applies(a8w8.runner.kv_cache)
     ref = make_engine(a8w8_ckpt, dtype="bfloat16", kernels="reference", kv_cache_memory="4MiB", max_model_len=256)
@@ -236,13 +236,11 @@ def test_moe_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(ckp
     _assert_loop_ids_equal_the_python_loop(eng, _prompts(eng, 8), steps=16, solo=2)
 
 
-def test_moe_python_loop_where_the_region_does_not_take_the_experts(moe_bf16_ckpt, ckpts):
-    """Float experts (their attention is float too) and int4 weights with a column permutation (GPTQ desc_act)
-    keep the Python loop."""
-    for ckpt in (moe_bf16_ckpt, ckpts.get("tiny-gptq-g64-asym-descact", "gptq", group_size=64, symmetric=False,
-                                          desc_act=True)):
-        eng = make_engine(ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
-        assert not eng.runner.model.layer_loop.applies(eng.runner.kv_cache)
+def test_moe_python_loop_where_the_region_does_not_take_the_experts(ckpts):
+    """Int4 weights with a column permutation (GPTQ desc_act) keep the Python loop."""
+    ckpt = ckpts.get("tiny-gptq-g64-asym-descact", "gptq", group_size=64, symmetric=False, desc_act=True)
+    eng = make_engine(ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
+    assert not eng.runner.model.layer_loop.applies(eng.runner.kv_cache)
 
 
 def test_the_region_profile_accounts_for_a_moe_decode_step(moe_a8w8_ckpt):
@@ -573,3 +571,58 @@ def test_eagle3_steps_run_in_the_region_with_the_ids_of_speculation_off(a8w8_ckp
     assert not plain_calls   # every step of the head's sequences asked for aux states
     assert twin.verify_steps >= 10 and twin.region_steps > twin.verify_steps
     assert prof[0, -1].item() == twin.region_steps + off_twin.region_steps
+
+
+# ----- float (bf16 / fp32) weights: dense and Qwen3-MoE models in the region -----------------------------------
+
+def _float(ckpts, which):
+    """dense: tiny bf16 checkpoint; moe: tiny Qwen3-MoE, bf16 attention and experts; mixed: dense and sparse
+    layers (layer 1 dense), unnormalized top-3 of 70 experts (the router's two panels)."""
+    if which == "dense":
+        return ckpts.get("tiny-bf16", "bf16")
+    if which == "moe":
+        return ckpts.get("tiny-moe-bf16", "bf16", "tiny-moe")
+    return ckpts.get("tiny-moe-mixed-bf16", "bf16", "tiny-moe", num_hidden_layers=4, mlp_only_layers=[1],
+                     norm_topk_prob=False, num_experts=70, num_experts_per_tok=3)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 5])
+@pytest.mark.parametrize("which,dtype", [("dense", "bfloat16"), ("dense", "float32"), ("moe", "bfloat16"),
+                                         ("mixed", "bfloat16"), ("mixed", "float32")])
+def test_float_decode_steps_run_in_one_region_with_the_python_loops_bits(ckpts, which, dtype, batch, threads):
+    """FloatLinear projections (float_linear's panels) and float experts (the native MoE op's float GEMMs) in the
+    one region: the hidden states, logits and KV caches of every step bit-identical to the Python loop, batch 1
+    (every thread's own rows), 2 and 5 (rows split, tokens sharing experts), 1 and 2 threads."""
+    if dtype == "float32" and (batch, threads) != (5, 2):
+        pytest.skip("covered by the other cases")
+    eng = make_engine(_float(ckpts, which), dtype=dtype, max_num_seqs=8, kv_cache_memory="4MiB", max_model_len=256)
+    model = eng.runner.model
+    lins = [lin for layer in model.layers for lin in model.layer_loop._linears(layer)]
+    assert lins and all(type(lin).__name__ == "FloatLinear" for lin in lins)
+    assert all(lin.prepared[0].dtype == getattr(torch, dtype) for lin in lins)
+    assert model.layer_loop.applies(eng.runner.kv_cache)
+    twin, prof, seen = _generate_profiled(eng, batch, threads,
+                                          lambda: _routings(model, batch) if which != "dense" else None)
+    assert prof[:, _phase("qkv")].sum().item() > 0
+    if which != "dense":
+        assert batch == 1 or max(len(rows) for rows in seen) > 1   # the rows of a step routed differently
+        assert prof[:, _phase("expGateUp")].sum().item() > 0
+    assert (prof[:, _phase("gateUp")].sum().item() > 0) == (which != "moe")
+
+
+@pytest.mark.parametrize("which", ["dense", "mixed"])
+def test_float_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(ckpts, which):
+    """Through the engine: the same greedy ids with the layer loop on and off, and batched as alone."""
+    eng = make_engine(_float(ckpts, which), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="8MiB",
+                      max_model_len=256)
+    _assert_loop_ids_equal_the_python_loop(eng, _prompts(eng, 8), steps=16, solo=2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float_verification_steps_run_in_one_region_with_the_python_loops_bits(ckpts, threads):
+    """A few rows per sequence (up to 64 rows: the float panels' tiles of 6 rows) on the bf16 mixed model."""
+    eng = make_engine(_float(ckpts, "mixed"), dtype="bfloat16", max_num_seqs=16, kv_cache_memory="4MiB",
+                      max_model_len=256)
+    for i, (rows, cached) in enumerate(FEW_ROWS):
+        assert _region_step_equals_the_python_loop(eng, rows, cached, threads, seed=i) == 1, rows

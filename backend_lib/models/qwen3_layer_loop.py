@@ -3,17 +3,19 @@
 The compiled op runs the same kernel functions as the Python layers, in the same order, so its hidden states
 are bit-identical to Qwen3ForCausalLM's Python loop (the reference of behaviour, tests/test_layer_loop.py);
 it only removes the interpreter between ~200 kernel calls a step. It applies where that path would compute
-nothing else: the `cpu` kernel set, every projection a plain A8W8Linear or a W4A16Linear without a column
-permutation (each linear of its own kind, as the checkpoint has it), a dense KV cache; Qwen3-MoE's sparse layers
-(layers/moe.py) where the router is a FloatLinear, the routing layers/moe.py's route() and the experts A8W8 or
-W4A16 in the set's native op (kernels/cpu/moe.py's table_of, the table the Python layer uses). Anything else
-(float weights or experts, GPTQ act-order int4 weights, TurboQuant, linears wrapped with per-row features, expert
-parallelism) takes the Python loop. With `aux` the op also writes EAGLE-3's aux hidden states ([spec],
+nothing else: the `cpu` kernel set, every projection a plain A8W8Linear, a W4A16Linear without a column
+permutation or a FloatLinear (bf16 / fp32 weights in float_pack's panels: float_linear) (each linear of its own
+kind, as the checkpoint has it), a dense KV cache; Qwen3-MoE's sparse layers (layers/moe.py) where the router is a
+FloatLinear, the routing layers/moe.py's route() and the experts float, A8W8 or W4A16 in the set's native op
+(kernels/cpu/moe.py's table_of, the table the Python layer uses). Anything else (GPTQ act-order int4 weights,
+experts the native op does not take, TurboQuant, linears wrapped with per-row features, expert parallelism) takes
+the Python loop. With `aux` the op also writes EAGLE-3's aux hidden states ([spec],
 Qwen3ForCausalLM.forward_aux), in the region and op by op alike.
 
 Per layer the op's list holds the four norms, each linear's first three prepared tensors (A8W8: packed, scale,
-colsum; W4A16: packed, scales, zeros), and last a float64 [4, 2]: per linear (qkv, o, gate_up, down) its output
-width and its W4A16 lut_zero (-1 for A8W8, or no batch-1 table lookup). A sparse layer's MLP slots: the router's
+colsum; W4A16: packed, scales, zeros; float: packed and two empty tensors), and last a float64 [4, 2]: per linear
+(qkv, o, gate_up, down) its output width and its W4A16 lut_zero (-1 for A8W8 and float, or no batch-1 table
+lookup). A sparse layer's MLP slots: the router's
 packed weight, the experts' table and lut, its dims (moe_experts' six, then top_k and norm_topk_prob, int64),
 two empty tensors (csrc/decode_layers.cpp, kMoeDims).
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_cache.dense import DenseKVCache
-from ..kernels.cpu.moe import A8W8, W4A16, table_of
+from ..kernels.cpu.moe import A8W8, FLOAT, W4A16, table_of
 from ..layers.linear import A8W8Linear, FloatLinear, W4A16Linear
 from ..layers.mlp import Qwen3MLP
 from ..layers.moe import Qwen3SparseMoe
@@ -45,19 +47,22 @@ class LayerLoop:
 
     @staticmethod
     def _linear_ok(lin) -> bool:
-        """A plain A8W8Linear, or a W4A16Linear without a column permutation (desc_act: the Python loop)."""
+        """A plain A8W8Linear, a W4A16Linear without a column permutation (desc_act: the Python loop), or a
+        FloatLinear in the CPU set's float_pack panels."""
         if type(lin) is A8W8Linear:
             return len(lin.prepared) == 3
+        if type(lin) is FloatLinear:
+            return isinstance(lin.prepared[0], torch.Tensor) and lin.prepared[0].dim() == 4
         return type(lin) is W4A16Linear and lin.prepared[3].numel() == 0 and lin.prepared[4] == lin.out_features
 
     @staticmethod
     def _sparse_ok(mlp) -> bool:
         """A sparse layer the op computes as the Python layer does: route() on a FloatLinear router's logits, the
-        A8W8 or W4A16 experts through the CPU set's native op (its table)."""
+        float, A8W8 or W4A16 experts through the CPU set's native op (its table)."""
         if mlp.kernels.moe_route is not None or type(mlp.gate) is not FloatLinear or mlp.gate.prepared[0].dim() != 4:
             return False
         table = table_of(mlp.moe_weights)
-        return table is not None and table.dims[0] in (A8W8, W4A16)
+        return table is not None and table.dims[0] in (FLOAT, A8W8, W4A16)
 
     def applies(self, kv_cache) -> bool:
         if self.model.kernels.name != "cpu" or self.heads is None or type(kv_cache) is not DenseKVCache:
@@ -84,7 +89,10 @@ class LayerLoop:
                 flat += [layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm]
                 lin_dims = [0.0, -1.0] * 4   # per linear: N, W4A16 lut_zero (csrc/decode_layers.cpp, kLinDims)
                 for j, lin in enumerate(self._linears(layer)):
-                    flat += list(lin.prepared[:3])   # A8W8: packed, scale, colsum; W4A16: packed, scales, zeros
+                    if type(lin) is FloatLinear:   # the packed panels (prepared: packed, N, K)
+                        flat += [lin.prepared[0], torch.empty(0), torch.empty(0)]
+                    else:   # A8W8: packed, scale, colsum; W4A16: packed, scales, zeros
+                        flat += list(lin.prepared[:3])
                     lin_dims[2 * j] = float(lin.out_features)
                     if type(lin) is W4A16Linear:
                         lin_dims[2 * j + 1] = float(lin.prepared[5])

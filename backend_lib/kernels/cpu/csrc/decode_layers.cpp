@@ -1,5 +1,5 @@
-// The decoder's layer loop in C++: every layer of a Qwen3 step (A8W8 or W4A16 linears, dense paged KV cache) with
-// no return to Python between the kernels.
+// The decoder's layer loop in C++: every layer of a Qwen3 step (A8W8, W4A16 or float (bf16 / fp32) linears, dense
+// paged KV cache) with no return to Python between the kernels.
 //
 // Steps of a few rows per sequence (decode rows, the k + 1 rows of a speculative verification, short chunks: 1 to
 // kMaxSeqRows query rows per sequence, up to kMaxFusedRows rows in all) run the whole step in ONE OpenMP
@@ -20,15 +20,18 @@
 // the thread count. A W4A16 linear's input rows are widened to fp32 (w4a16_linear's widening) and its panels are
 // w4a16_panel_range's, in pairs (the op's chunk); at batch 1 each thread takes the table lookup where the op does
 // (the weight's lut_zero, w4a16_lut_row on the row it reads: every copy of the row the same bits, the same answer).
+// A float linear (FloatLinear: a bf16 or fp32 checkpoint) is float_linear's panels of 64 outputs (float_panels),
+// in float_linear's chunks, on its activation rows (the model dtype's; bf16 widened to fp32 where float_linear
+// widens them, the AVX2 build): each output an fp32 sum in k order rounded once, whichever thread takes its panel.
 //
-// A Qwen3-MoE sparse layer (A8W8 or W4A16 experts) stays in the region too: the router GEMV (float_linear's panels, one
-// per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's route()
-// (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
+// A Qwen3-MoE sparse layer (float, A8W8 or W4A16 experts) stays in the region too: the router GEMV (float_linear's
+// panels, one per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's
+// route() (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
 // parallel_for runs serially) and plans the pairs per expert, while the others wait at a barrier; then the
 // experts' phases of moe_parts.h (the native MoE op's code: gate_up items, SwiGLU, down items, the combine into
 // the layer's output rows), a barrier after each; the token rows prepared as the MoE op prepares them for the
-// experts' kind (moe::prepare: quantized, or widened to fp32). Batch 1 reads the router and its k experts' weights
-// only.
+// experts' kind (moe::prepare: quantized, widened to fp32, or float experts' rows in moe_experts' activation
+// type). Batch 1 reads the router and its k experts' weights only.
 //
 // Other steps (a sequence with more rows: prefill chunks; more than kMaxFusedRows rows) call the ops one after
 // another as the Python layers do (models/qwen3.py, layers/attention.py, layers/mlp.py), with the same arguments
@@ -58,14 +61,16 @@ enum LayerTensor : int64_t {
   kLinDims,
   kPerLayer
 };
-// A linear's three slots hold an A8W8 weight (a8w8_pack'ed int8, w_scale, colsum) or a W4A16 one (w4a16_pack'ed
-// int32, scales, zeros; no column permutation), told apart by the packed weight's dtype. kLinDims: fp64 [4, 2],
-// per linear (qkv, o, gate_up, down) its output width N and its W4A16 lut_zero (-1: none, and for A8W8).
+// A linear's three slots hold an A8W8 weight (a8w8_pack'ed int8, w_scale, colsum), a W4A16 one (w4a16_pack'ed
+// int32, scales, zeros; no column permutation) or a float one (float_pack'ed fp32 / bf16, two empty tensors), told
+// apart by the packed weight's dtype. kLinDims: fp64 [4, 2], per linear (qkv, o, gate_up, down) its output width N
+// and its W4A16 lut_zero (-1: none, and for A8W8 and float).
 enum LinSlot : int64_t { kLinQkv, kLinO, kLinGateUp, kLinDown };
 constexpr int64_t kLinDimsLen = 8;
 // A sparse (Qwen3-MoE) layer's MLP slots hold instead: kRouterPacked the router's float_pack'ed weight (E outputs),
 // kMoeTable / kMoeLut moe_experts' table and lut, kMoeDims int64 [8]: moe_experts' dims (kind, H, I, aux_gu,
-// aux_dn, bf16 weights), then top_k and norm_topk_prob; kDownScale and kDownColsum are unused (empty tensors).
+// aux_dn, bf16 weights; kind float, A8W8 or W4A16), then top_k and norm_topk_prob; kDownScale and kDownColsum are
+// unused (empty tensors).
 // kMoeDims' dtype marks the layer (int64, where a dense layer has its int8 / int32 packed down_proj).
 enum SparseTensor : int64_t { kRouterPacked = kGateUpPacked, kMoeTable = kGateUpScale, kMoeLut = kGateUpColsum,
                               kMoeDims = kDownPacked };
@@ -175,6 +180,10 @@ struct PhaseClock {
 };
 
 bool is_w4a16(const at::Tensor* w, int64_t j) { return w[kQkvPacked + 3 * j].scalar_type() == at::kInt; }
+bool is_float_lin(const at::Tensor* w, int64_t j) {
+  const auto dt = w[kQkvPacked + 3 * j].scalar_type();
+  return dt == at::kFloat || dt == at::kBFloat16;
+}
 
 // The layer's kLinDims as the region reads them (per linear: N, lut_zero), or nullptr where they are malformed.
 const double* region_lin_dims(const at::Tensor* w) {
@@ -183,14 +192,16 @@ const double* region_lin_dims(const at::Tensor* w) {
   return dims.data_ptr<double>();
 }
 
-// Linear j of the layer (LinSlot) as its layers/linear.py class computes it: a8w8_linear or w4a16_linear.
+// Linear j of the layer (LinSlot) as its layers/linear.py class computes it: a8w8_linear, w4a16_linear or
+// float_linear (FloatLinear: the output in x's dtype).
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor* w, int64_t j) {
   const at::Tensor* p = w + kQkvPacked + 3 * j;
-  if (!is_w4a16(w, j)) return a8w8_linear(x, p[0], p[1], p[2]);
+  if (!is_w4a16(w, j) && !is_float_lin(w, j)) return a8w8_linear(x, p[0], p[1], p[2]);
   const at::Tensor dims = w[kLinDims].contiguous();
   TORCH_CHECK(dims.scalar_type() == at::kDouble && dims.numel() == kLinDimsLen,
               "decode_layers: a layer's linear dims must be float64 [4, 2]");
   const double* d = dims.data_ptr<double>();
+  if (is_float_lin(w, j)) return float_linear(x, p[0], static_cast<int64_t>(d[2 * j]), c10::nullopt);
   return w4a16_linear(x, p[0], p[1], p[2], at::empty({0}, x.options().dtype(at::kLong)),
                       static_cast<int64_t>(d[2 * j]), d[2 * j + 1]);
 }
@@ -249,8 +260,10 @@ at::Tensor decode_layers_ops(const at::Tensor& x_in, at::TensorList layers, at::
 }
 
 // One linear of the region: its weight and the panels a thread takes at a time (a chunk); A8W8 (kind moe::kA8W8:
-// w, scale, colsum, KG, Kp) or W4A16 (moe::kW4A16: w4, scale = its scales, zeros, G groups, lut_zero). Its input
-// rows (xbytes each): A8W8 quantized (a8w8_quantize_row), W4A16 widened to fp32, as w4a16_linear does.
+// w, scale, colsum, KG, Kp), W4A16 (moe::kW4A16: w4, scale = its scales, zeros, G groups, lut_zero) or float
+// (moe::kFloat: wf, float_pack'ed fp32 or bf16 (wbf16) panels of 64 outputs). Its input rows (xbytes each): A8W8
+// quantized (a8w8_quantize_row), W4A16 widened to fp32, as w4a16_linear does; float in float_linear's activation
+// type (x_f32: fp32 rows, or bf16 rows widened where float_linear widens them; else the bf16 rows as they are).
 struct Lin {
   int64_t kind;
   const int8_t* w;
@@ -261,15 +274,31 @@ struct Lin {
   int64_t N, NP, KG, Kp, K, G, chunk;
   float lut;
   size_t xbytes;
+  const void* wf = nullptr;
+  bool wbf16 = false, x_f32 = true;
 };
 
-// Linear j's tensors as a8w8_linear / w4a16_linear would check them, for an input of K features and N outputs;
-// false if the region cannot take it (the op path then runs, and raises its own error for a malformed weight).
-bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, Lin& out) {
+// Linear j's tensors as a8w8_linear / w4a16_linear / float_linear would check them, for an input of K features and
+// N outputs (x_f32: a float linear's rows are fp32, see Lin); false if the region cannot take it (the op path then
+// runs, and raises its own error for a malformed weight).
+bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, bool x_f32, Lin& out) {
   const at::Tensor &packed = w[kQkvPacked + 3 * j], &scale = w[kQkvPacked + 3 * j + 1],
                    &aux = w[kQkvPacked + 3 * j + 2];
   const double* dims = region_lin_dims(w);
   if (dims == nullptr || dims[2 * j] != static_cast<double>(N)) return false;
+  if (is_float_lin(w, j)) {   // float_linear's checks; an odd K (bf16 pairs, padded by the op) takes the op path
+    constexpr int64_t P = moe::kPanelRows;
+    if (packed.dim() != 4 || !packed.is_contiguous() || packed.size(2) != P ||
+        packed.size(1) * packed.size(3) != K || packed.size(0) != (N + P - 1) / P)
+      return false;
+    const int64_t NP = packed.size(0);
+    out = Lin{};
+    out.kind = moe::kFloat, out.N = N, out.NP = NP, out.Kp = K, out.K = K, out.lut = -1.f;
+    out.chunk = std::max<int64_t>(1, NP / (8 * nt));   // float_linear's chunk (linear_impl)
+    out.wf = packed.data_ptr(), out.wbf16 = packed.scalar_type() == at::kBFloat16, out.x_f32 = x_f32;
+    out.xbytes = static_cast<size_t>(K) * (x_f32 ? sizeof(float) : sizeof(c10::BFloat16));
+    return true;
+  }
   if (packed.scalar_type() == at::kInt) {   // W4A16: w4a16_linear's checks
     constexpr int64_t P = moe::kPanelRows;
     if (packed.dim() != 3 || !packed.is_contiguous() || packed.size(2) != P || scale.scalar_type() != at::kFloat ||
@@ -306,12 +335,31 @@ inline void prep_row(const Lin& lin, const T* src, int64_t r, char* xu, float* s
     sc[r] = parts::a8w8_quantize_row(src, lin.K, lin.Kp, dst);
     return;
   }
-  float* d = reinterpret_cast<float*>(dst);
+  if (!lin.x_f32) {   // a float linear's bf16 rows as they are
+    std::memcpy(dst, src, lin.xbytes);
+    return;
+  }
+  float* d = reinterpret_cast<float*>(dst);   // W4A16, and a float linear's fp32 rows (widened: exact)
   for (int64_t c = 0; c < lin.K; ++c) d[c] = to_f(src[c]);
 }
 
+// Output panels [p0, p1) of a float linear for the Tn prepared rows xu (prep_row): float_linear's panels.
+template <typename T>
+void float_lin_panels(const Lin& lin, const char* xu, int64_t Tn, T* y, int64_t p0, int64_t p1) {
+  auto go = [&](const auto* x) {
+    using XT = std::remove_const_t<std::remove_pointer_t<decltype(x)>>;
+    if (lin.wbf16)
+      parts::float_panels<XT, c10::BFloat16, T>(x, lin.Kp, static_cast<const c10::BFloat16*>(lin.wf), y, Tn, lin.N,
+                                                p0, p1);
+    else
+      parts::float_panels<XT, float, T>(x, lin.Kp, static_cast<const float*>(lin.wf), y, Tn, lin.N, p0, p1);
+  };
+  if (lin.x_f32) go(reinterpret_cast<const float*>(xu));
+  else go(reinterpret_cast<const c10::BFloat16*>(xu));
+}
+
 // A sparse layer's MLP in the region: the router (float panels of 64 outputs, as float_linear), its top-k, the
-// experts (A8W8 or W4A16, moe_parts.h).
+// experts (float, A8W8 or W4A16, moe_parts.h).
 struct Sparse {
   bool on = false;
   const void* router = nullptr;
@@ -321,16 +369,20 @@ struct Sparse {
 };
 
 // A sparse layer's tensors as sparse_mlp_ops' ops would take them, for hidden width hid; false if the region
-// cannot take them (then the op path runs: float experts, a malformed table).
-bool make_sparse(const at::Tensor* w, int64_t hid, Sparse& sp) {
+// cannot take them (then the op path runs: a malformed table). xt_bytes: float experts' activation element size
+// (moe_experts' XT: 4 where the rows are fp32 or float_linear widens bf16 ones, else 2).
+bool make_sparse(const at::Tensor* w, int64_t hid, int64_t xt_bytes, Sparse& sp) {
   const at::Tensor &dims = w[kMoeDims], &table = w[kMoeTable], &router = w[kRouterPacked], &lut = w[kMoeLut];
   if (!dims.is_contiguous() || dims.numel() != kMoeDimsLen || table.dim() != 2 || !table.is_contiguous() ||
-      table.scalar_type() != at::kLong || table.size(1) != 6)
+      table.scalar_type() != at::kLong)
     return false;
   const int64_t* d = dims.data_ptr<int64_t>();
+  if (table.size(1) != (d[0] == moe::kFloat ? 2 : 6)) return false;
   const int64_t E = table.size(0), G = parts::a8w8_group(), I = d[2];
   if (d[1] != hid || I <= 0 || E <= 0 || d[6] < 1 || d[6] > E) return false;
-  if (d[0] == moe::kA8W8) {   // aux: the packed K groups of gate_up and down
+  if (d[0] == moe::kFloat) {   // float_pack'ed gate_up and down per expert (fp32 or bf16: dims[5]); moe_experts' checks
+    if (hid % 2 != 0 || I % 2 != 0) return false;
+  } else if (d[0] == moe::kA8W8) {   // aux: the packed K groups of gate_up and down
     if (d[3] * G < hid || d[3] * G - hid >= G || d[4] * G < I || d[4] * G - I >= G) return false;
   } else if (d[0] == moe::kW4A16) {   // aux: the quantization groups; moe_experts' checks
     if (d[3] <= 0 || d[4] <= 0 || hid % d[3] != 0 || I % d[4] != 0 || hid % 2 != 0 || I % 2 != 0 ||
@@ -348,7 +400,8 @@ bool make_sparse(const at::Tensor* w, int64_t hid, Sparse& sp) {
   sp.router_bf16 = router.scalar_type() == at::kBFloat16;
   sp.E = E, sp.router_np = router.size(0), sp.k = d[6], sp.norm = d[7] != 0;
   const float* lp = d[0] == moe::kW4A16 ? lut.data_ptr<float>() : nullptr;
-  sp.ex = moe::Experts(d[0], E, d[1], d[2], d[3], d[4], d[5] != 0, table.data_ptr<int64_t>(), 6, lp, 4);
+  sp.ex = moe::Experts(d[0], E, d[1], d[2], d[3], d[4], d[5] != 0, table.data_ptr<int64_t>(), table.size(1), lp,
+                       xt_bytes);
   return true;
 }
 
@@ -553,6 +606,8 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
         const int64_t p0 = ch * lin.chunk, p1 = std::min(lin.NP, (ch + 1) * lin.chunk);
         if (lin.kind == moe::kW4A16)
           parts::w4a16_panel_range<T>(xf4, Tn, lin.K, lin.w4, lin.scale, lin.zeros, lin.G, p0, p1, y, lin.N, z);
+        else if (lin.kind == moe::kFloat)
+          float_lin_panels<T>(lin, xu, Tn, y, p0, p1);
         else
           parts::a8w8_panels(xu, sc, Tn, lin.Kp, lin.w, lin.KG, lin.scale, lin.colsum, lin.N, p0, p1, y, lin.N);
       };
@@ -629,7 +684,8 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
                                   s.eps);
           if (wide)
             for (int64_t c = 0; c < hid; ++c) xf[r * hid + c] = to_f(hn[r * hid + c]);
-          sc[r] = moe::prepare<T, T>(ex, hn + r * hid, hid, ex.kp_h, xu + r * ex.rb_h);   // (1)
+          sc[r] = wide ? moe::prepare<T, float>(ex, hn + r * hid, hid, ex.kp_h, xu + r * ex.rb_h)   // (1)
+                       : moe::prepare<T, T>(ex, hn + r * hid, hid, ex.kp_h, xu + r * ex.rb_h);
         }
         rows_done(kNormPost);
         std::atomic<int64_t>* mc = moe_ctr + l * 4 * kLine;
@@ -652,16 +708,17 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
         clk.mark(kGather);
         for (int64_t it = mc[kLine].fetch_add(1, std::memory_order_relaxed); it < plan.ng * ex.ch_gu;
              it = mc[kLine].fetch_add(1, std::memory_order_relaxed))
-          moe::gate_up_item<T, T>(ex, plan, b, it);   // (3)
+          wide ? moe::gate_up_item<T, float>(ex, plan, b, it) : moe::gate_up_item<T, T>(ex, plan, b, it);   // (3)
         clk.mark(kExpGateUp);
 #pragma omp barrier
         clk.mark(kExpGateUpWait);
-        for (int64_t q = tid; q < plan.S; q += team) moe::silu_slot<T, T>(ex, b, q);   // (4)
+        for (int64_t q = tid; q < plan.S; q += team)   // (4)
+          wide ? moe::silu_slot<T, float>(ex, b, q) : moe::silu_slot<T, T>(ex, b, q);
 #pragma omp barrier
         clk.mark(kExpSilu);
         for (int64_t it = mc[2 * kLine].fetch_add(1, std::memory_order_relaxed); it < plan.ng * ex.ch_dn;
              it = mc[2 * kLine].fetch_add(1, std::memory_order_relaxed))
-          moe::down_item<T, T>(ex, plan, b, it);   // (5)
+          wide ? moe::down_item<T, float>(ex, plan, b, it) : moe::down_item<T, T>(ex, plan, b, it);   // (5)
         clk.mark(kExpDown);
 #pragma omp barrier
         clk.mark(kExpDownWait);
@@ -758,6 +815,8 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
       s.I = static_cast<int64_t>(n_gu) / 2;
       break;
     }
+    // a float linear's / float experts' activation type, float_linear's and moe_experts' (Lin, make_sparse)
+    const bool x_f32 = std::is_same_v<T, float> || parts::float_linear_widens_bf16();
     bool ok = true;
     for (auto* v : {&s.in_norm, &s.post_norm, &s.q_norm, &s.k_norm}) v->reserve(L);
     for (auto* v : {&s.qkv, &s.o, &s.gate_up, &s.down}) v->reserve(L);
@@ -772,11 +831,12 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
       Lin a{}, b{}, c{}, d{};
       Sparse sp{};
       c.chunk = d.chunk = 1;   // a sparse layer's (no panels)
-      ok = ok && make_lin(w, kLinQkv, hid, s.Wqkv, nt, a) && make_lin(w, kLinO, H * D, hid, nt, b);
+      ok = ok && make_lin(w, kLinQkv, hid, s.Wqkv, nt, x_f32, a) && make_lin(w, kLinO, H * D, hid, nt, x_f32, b);
       if (is_sparse(w))
-        ok = ok && make_sparse(w, hid, sp);
+        ok = ok && make_sparse(w, hid, x_f32 ? 4 : 2, sp);
       else
-        ok = ok && make_lin(w, kLinGateUp, hid, 2 * s.I, nt, c) && make_lin(w, kLinDown, s.I, hid, nt, d);
+        ok = ok && make_lin(w, kLinGateUp, hid, 2 * s.I, nt, x_f32, c) &&
+             make_lin(w, kLinDown, s.I, hid, nt, x_f32, d);
       s.qkv.push_back(a), s.o.push_back(b), s.gate_up.push_back(c), s.down.push_back(d), s.sparse.push_back(sp);
       const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
       ok = ok && kc.scalar_type() == dt && vc.scalar_type() == dt && kc.is_contiguous() && vc.is_contiguous() &&
