@@ -22,16 +22,14 @@ from backend_lib.kernels import get_kernels  # noqa: E402
 from helpers import make_engine  # noqa: E402
 from spec_helpers import KnowingProposer, VerifyingSeq  # noqa: E402
 
-# The tiny checkpoints with 3,000 tokens instead of Qwen3's 151,936: under the interpreter the LM head's float
-# linear over the full vocabulary was half of every step's time, and nothing here depends on the vocabulary's
-# size (3,000 still ends off the kernel's tiles); the step's and the prompts' ids are all below it.
+# Checkpoints of 3,000 tokens (conftest.py): nothing here depends on the vocabulary's size (3,000 still ends off
+# the kernel's tiles); the step's and the prompts' ids are all below it.
 VOCAB = 3000
 
 
 @pytest.fixture(scope="module")
-def small_vocab(ckpts):
-    return {"a8w8_ckpt": ckpts.get("tiny-a8w8-v3000", "a8w8", vocab_size=VOCAB),
-            "moe_a8w8_ckpt": ckpts.get("tiny-moe-a8w8-v3000", "a8w8", "tiny-moe", vocab_size=VOCAB)}
+def small_vocab(a8w8_small_vocab_ckpt, moe_a8w8_small_vocab_ckpt):
+    return {"a8w8_ckpt": a8w8_small_vocab_ckpt, "moe_a8w8_ckpt": moe_a8w8_small_vocab_ckpt}
 
 
 POOLS = ("k", "v", "k_codes", "v_codes", "k_scales", "v_scales")   # the dense and the TurboQuant caches' pools
