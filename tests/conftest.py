@@ -99,3 +99,19 @@ def moe_bf16_ckpt(ckpts) -> Path:
 @pytest.fixture(scope="session")
 def moe_a8w8_ckpt(ckpts) -> Path:
     return ckpts.get("tiny-moe-a8w8", "a8w8", "tiny-moe")
+
+
+# The tiny checkpoints with 3,000 tokens instead of Qwen3's 151,936 (the tokenizer stays the real one: prompts
+# must encode below 3,000), for the tests of the Triton kernels through the interpreter, where the LM head's
+# float linear over the whole vocabulary was about half of every step's time.
+SMALL_VOCAB = 3000
+
+
+@pytest.fixture(scope="session")
+def a8w8_small_vocab_ckpt(ckpts) -> Path:
+    return ckpts.get("tiny-a8w8-v3000", "a8w8", vocab_size=SMALL_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def moe_a8w8_small_vocab_ckpt(ckpts) -> Path:
+    return ckpts.get("tiny-moe-a8w8-v3000", "a8w8", "tiny-moe", vocab_size=SMALL_VOCAB)

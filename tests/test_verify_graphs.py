@@ -22,6 +22,16 @@ from backend_lib.kernels import get_kernels  # noqa: E402
 from helpers import make_engine  # noqa: E402
 from spec_helpers import KnowingProposer, VerifyingSeq  # noqa: E402
 
+# Checkpoints of 3,000 tokens (conftest.py): nothing here depends on the vocabulary's size (3,000 still ends off
+# the kernel's tiles); the step's and the prompts' ids are all below it.
+VOCAB = 3000
+
+
+@pytest.fixture(scope="module")
+def small_vocab(a8w8_small_vocab_ckpt, moe_a8w8_small_vocab_ckpt):
+    return {"a8w8_ckpt": a8w8_small_vocab_ckpt, "moe_a8w8_ckpt": moe_a8w8_small_vocab_ckpt}
+
+
 POOLS = ("k", "v", "k_codes", "v_codes", "k_scales", "v_scales")   # the dense and the TurboQuant caches' pools
 
 
@@ -112,10 +122,10 @@ def _restore(runner, state):
 
 
 @pytest.mark.parametrize("ckpt,kv_cache", [("a8w8_ckpt", "bf16"), ("a8w8_ckpt", "tq"), ("moe_a8w8_ckpt", "bf16")])
-def test_a_padded_verification_equals_the_eager_step_and_padding_writes_nothing(request, ckpt, kv_cache):
+def test_a_padded_verification_equals_the_eager_step_and_padding_writes_nothing(small_vocab, ckpt, kv_cache):
     """The dense and the TurboQuant cache, and Qwen3-MoE through the fused Triton MoE (the padding rows route to
     experts of their own and share their blocks with real rows)."""
-    runner = _runner(request.getfixturevalue(ckpt), kv_cache)
+    runner = _runner(small_vocab[ckpt], kv_cache)
     if ckpt.startswith("moe"):
         from backend_lib.kernels.triton.experts import PackedExperts
 
@@ -136,16 +146,18 @@ def test_a_padded_verification_equals_the_eager_step_and_padding_writes_nothing(
     assert all(torch.equal(a, b) for a, b in zip(after, written))               # the padding nothing more
 
 
-def test_the_engine_with_the_graphs_path_gives_the_ids_of_speculation_off(a8w8_ckpt):
+def test_the_engine_with_the_graphs_path_gives_the_ids_of_speculation_off(small_vocab):
     """Greedy, two requests batched (k = 2): every verification step through the padded buffers (capture off),
     decode steps through the decode graphs' buffers; ids equal to an engine without speculation. The drafts come
     from a proposer that knows the answer (the tiny demo's random weights rarely repeat within a few tokens) and
     is right, half right or silent by turns, so steps mix k drafts, an early rejection and plain decode rows."""
     opts = dict(dtype="bfloat16", kernels="triton", max_num_seqs=2, max_model_len=64)
     params = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
-    off = make_engine(a8w8_ckpt, **opts)
-    on = make_engine(a8w8_ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **opts)
+    ckpt = small_vocab["a8w8_ckpt"]
+    off = make_engine(ckpt, **opts)
+    on = make_engine(ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **opts)
     prompts = [on.tokenizer.encode(p) for p in ("a b a b a b", "1, 2, 3")]
+    assert on.runner.model.cfg.vocab_size == VOCAB and max(max(p) for p in prompts) < VOCAB
 
     def ids(engine):
         return [r["output_ids"] for r in engine.generate(prompts, engine.make_params(params))]
