@@ -408,12 +408,14 @@ def main() -> None:
                     "parallel region per step, per phase (decode_layers_profile), with the head, sampling and the rest; "
                     "each thread count's fastest of --rounds rounds, a STREAM read right after it")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--lm-head-quant", default="checkpoint", help="checkpoint (the head as stored) or int8 "
+                    "(EngineConfig.lm_head_quant: the bytes the MoE group's engines read)")
     args = ap.parse_args()
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
 
     eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="256MiB", max_model_len=1100,
-                                 max_num_seqs=1, enable_prefix_caching=False))
+                                 max_num_seqs=1, enable_prefix_caching=False, lm_head_quant=args.lm_head_quant))
     if args.ab_steps:
         res = []
         for t in [int(t) for t in args.threads.split(",")]:
