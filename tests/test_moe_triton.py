@@ -146,10 +146,12 @@ def test_engine_greedy_with_the_fused_moe_equals_the_reference_set(moe_a8w8_ckpt
 
 def test_engine_greedy_with_fused_w4a16_experts_batched_equals_solo(ckpts):
     """The whole W4A16 MoE model through the Triton set (the int4 GEMM for attention, the fused int4 experts):
-    each prompt's greedy ids alone equal its ids in one batch."""
-    eng = make_engine(ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe"), dtype="bfloat16", kernels="triton")
+    each prompt's greedy ids alone equal its ids in one batch. A 3,000-token vocabulary (prompts of ids below it):
+    the interpreted head over Qwen3's 151,936 rows is not what this test is about and was most of its time."""
+    eng = make_engine(ckpts.get("tiny-moe-w4a16-v3000", "w4a16", "tiny-moe", vocab_size=3000), dtype="bfloat16",
+                      kernels="triton")
     assert isinstance(eng.runner.model.layers[0].mlp.moe_weights, PackedExperts)
-    prompts = [eng.tokenizer.encode(p) for p in ("Hello, world!", "介绍一下北京")]
+    prompts = [[9, 2047, 13, 1879], [2999, 100, 1500, 7, 42]]
     params = eng.make_params({"temperature": 0, "max_tokens": 3, "ignore_eos": True})
     solo = [eng.generate([p], params)[0]["output_ids"] for p in prompts]
     assert all(len(s) == 3 for s in solo) and [r["output_ids"] for r in eng.generate(prompts, params)] == solo
