@@ -87,6 +87,31 @@ def round_ratios(ours: list[float], theirs: list[float]) -> dict:
     return {"median": statistics.median(r), "min": r[0], "max": r[-1], "above_1": sum(x > 1 for x in r), "n": len(r)}
 
 
+def ratio_keys(quants) -> list[str]:
+    """The summary's key of each llama.cpp file of a format: `llamacpp` for the first (the default file, the one
+    bench/report.py's table and the targets read), its tag for the others."""
+    return ["llamacpp", *quants[1:]]
+
+
+def summary_line(row: dict, batches: list[int]) -> str:
+    """One engine format's bytes, floor and ratios to each of its llama.cpp files (with the per-round figures)."""
+    nb = row["bytes_per_token"]
+    parts = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in nb.items() if k != "total")
+    line = f"  {row['system']:<18} bytes/token {nb['total'] / 1e6:.1f} MB ({parts}): floor " \
+           f"{row['floor_tokens_per_s']:.1f} tokens/s"
+    if "vs_floor_b1" in row:
+        line += f"; batch 1 = {row['vs_floor_b1']:.2f}x the floor (target >= 0.8)"
+    for b in batches:
+        for key, quant in zip(ratio_keys(row["quants"]), row["quants"]):
+            if f"vs_{key}_b{b}" not in row:
+                continue
+            target = f" (target >= {1.15 if b == 1 else 1.5})" if key == "llamacpp" else ""
+            rr = row[f"vs_{key}_b{b}_rounds"]
+            line += (f"; batch {b} = {row[f'vs_{key}_b{b}']:.2f}x llama.cpp {quant.upper()}{target} [per round: "
+                     f"median {rr['median']:.2f}x, {rr['min']:.2f}-{rr['max']:.2f}, {rr['above_1']}/{rr['n']} above 1]")
+    return line
+
+
 def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new_tokens: int,
               out: str | None = None, size: str = SIZE) -> list[dict]:
     ck = ensure_checkpoints(layers, size=size)
@@ -140,19 +165,16 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
     for label, fmt, quants in PAIRS:
         nb = bytes_per_token(cfg, fmt, prompt_len + new_tokens // 2, group=group)
         floor = gbs * 1e9 / nb["total"]
-        eng, cpp = f"engine {label}", f"llama.cpp {quants[0].upper()}"
-        summary = {"group": "moe", "system": eng, "mode": "summary", "format": fmt, "layers": layers,
+        eng = f"engine {label}"
+        summary = {"group": "moe", "system": eng, "mode": "summary", "format": fmt, "layers": layers, "quants": quants,
                    "stream_gbs": gbs, "bytes_per_token": nb, "floor_tokens_per_s": floor,
                    "rss_mib": mem.get(eng, {}).get("rss_mib")}
         for b in batches:
-            if (cpp, b) in med:
-                summary[f"vs_llamacpp_b{b}"] = med[(eng, b)] / med[(cpp, b)]
-                summary[f"vs_llamacpp_b{b}_rounds"] = round_ratios(decode[(eng, b)], decode[(cpp, b)])
-            for quant in quants[1:]:   # the other GGUFs of this format (the bytes-matched head)
-                other = f"llama.cpp {quant.upper()}"
-                if (other, b) in med:
-                    summary[f"vs_{quant}_b{b}"] = med[(eng, b)] / med[(other, b)]
-                    summary[f"vs_{quant}_b{b}_rounds"] = round_ratios(decode[(eng, b)], decode[(other, b)])
+            for key, quant in zip(ratio_keys(quants), quants):
+                cpp = f"llama.cpp {quant.upper()}"
+                if (cpp, b) in med:
+                    summary[f"vs_{key}_b{b}"] = med[(eng, b)] / med[(cpp, b)]
+                    summary[f"vs_{key}_b{b}_rounds"] = round_ratios(decode[(eng, b)], decode[(cpp, b)])
         if 1 in batches:
             summary["vs_floor_b1"] = med[(eng, 1)] / floor
         rows.append(summary)
@@ -163,24 +185,7 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
         if row["mode"] == "decode":
             print(f"  {row['system']:<18} batch {row['batch']:3d}: {row['decode_tokens_per_s']:8.2f} tokens/s")
     for row in rows:
-        if row["mode"] != "summary":
-            continue
-        nb = row["bytes_per_token"]
-        parts = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in nb.items() if k != "total")
-        line = f"  {row['system']:<18} bytes/token {nb['total'] / 1e6:.1f} MB ({parts}): floor " \
-               f"{row['floor_tokens_per_s']:.1f} tokens/s"
-        if "vs_floor_b1" in row:
-            line += f"; batch 1 = {row['vs_floor_b1']:.2f}x the floor (target >= 0.8)"
-        for b in batches:
-            if f"vs_llamacpp_b{b}" in row:
-                target = 1.15 if b == 1 else 1.5
-                line += f"; batch {b} = {row[f'vs_llamacpp_b{b}']:.2f}x llama.cpp (target >= {target})"
-            for key in (k for k in row if k.startswith("vs_q") and k.endswith(f"_b{b}")):
-                line += f"; batch {b} = {row[key]:.2f}x llama.cpp {key[3:-len(f'_b{b}')].upper()}"
-            for key in (k for k in row if k.startswith("vs_") and k.endswith(f"_b{b}_rounds")):
-                rr = row[key]
-                line += (f" [{key[3:-len(f'_b{b}_rounds')]} per round: median {rr['median']:.2f}x, "
-                         f"{rr['min']:.2f}-{rr['max']:.2f}, {rr['above_1']}/{rr['n']} above 1]")
-        print(line)
+        if row["mode"] == "summary":
+            print(summary_line(row, batches))
     print(f"results in {out_dir}")
     return rows

@@ -157,7 +157,7 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
     import json
 
     from bench import llamacpp
-    from bench.moe_group import bytes_per_token, round_ratios
+    from bench.moe_group import bytes_per_token, round_ratios, summary_line
 
     cfg = {"hidden_size": 2048, "head_dim": 128, "num_attention_heads": 32, "num_key_value_heads": 4,
            "num_hidden_layers": 4, "moe_intermediate_size": 768, "num_local_experts": 128, "num_experts_per_tok": 8,
@@ -195,6 +195,14 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
     rows.append({"group": "moe", "system": "engine A8W8", "mode": "summary", "layers": 4, "stream_gbs": 30.0,
                  "bytes_per_token": a8, "floor_tokens_per_s": 40.0, "vs_floor_b1": 0.75, "vs_llamacpp_b1": 1.5,
                  "vs_llamacpp_b16": 2.0})
+    w4_row = {"system": "engine W4A16", "bytes_per_token": w4, "floor_tokens_per_s": 50.0,
+              "quants": ("q4_0", "q4_0-q8head"),
+              "vs_llamacpp_b1": 0.9, "vs_llamacpp_b1_rounds": round_ratios([9.0], [10.0]),
+              "vs_q4_0-q8head_b1": 1.2, "vs_q4_0-q8head_b1_rounds": round_ratios([12.0, 6.0], [10.0, 5.0])}
+    line = summary_line(w4_row, [1, 16])
+    assert "batch 1 = 0.90x llama.cpp Q4_0 (target >= 1.15) [per round: median 0.90x, 0.90-0.90, 0/1 above 1]" in line
+    assert "batch 1 = 1.20x llama.cpp Q4_0-Q8HEAD [per round: median 1.20x, 1.20-1.20, 2/2 above 1]" in line
+    assert "batch 16" not in line
     write_report(rows, {"cpu": "test", "cores": 2, "isa": []}, tmp_path)
     md = (tmp_path / "table.md").read_text()
     assert f"| engine A8W8 | 30.0 | 160.0 | {a8['total'] / 1e6:.1f} MB | 40.0 | 0.75 | 1.50 | 2.00 |" in md
