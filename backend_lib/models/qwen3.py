@@ -69,10 +69,15 @@ class Qwen3ForCausalLM(nn.Module):
             return self.lm_head.rows(input_ids)
         return self.embed_tokens.index_select(0, input_ids)
 
+    def in_layer_loop(self, kv_cache) -> bool:
+        """Whether a step over kv_cache runs as one C++ call (models/qwen3_layer_loop.py), forward and forward_aux
+        alike."""
+        return self.use_layer_loop and self.layer_loop.applies(kv_cache)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the step's tokens."""
         x = self.embed(input_ids)
-        if self.use_layer_loop and self.layer_loop.applies(kv_cache):
+        if self.in_layer_loop(kv_cache):
             return self.layer_loop(x, positions, kv_cache, meta)
         residual = None
         # .forward, not __call__: the decoder's ~200 module calls a step each cost ~4.5 us in nn.Module's hook
@@ -89,7 +94,7 @@ class Qwen3ForCausalLM(nn.Module):
         [T, len * hidden]. Through the C++ layer loop where forward() takes it (it writes the states itself), else
         the Python loop below (the reference: the same bits, tests/test_layer_loop.py)."""
         x = self.embed(input_ids)
-        if self.use_layer_loop and self.layer_loop.applies(kv_cache):
+        if self.in_layer_loop(kv_cache):
             aux = torch.empty((x.shape[0], len(aux_layers) * x.shape[1]), dtype=x.dtype, device=x.device)
             return self.layer_loop(x, positions, kv_cache, meta, aux, aux_layers), aux
         residual = None
