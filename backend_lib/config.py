@@ -9,7 +9,7 @@ from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
 from .contract.fields import SamplingLimits
 
 
-LM_HEAD_QUANTS = ("checkpoint", "int8")
+LM_HEAD_QUANTS = ("checkpoint", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -34,7 +34,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"        # fcfs | priority (vLLM: lower `priority` first, preempting higher)
     tq_seed: int = 0
     kernels: str = "auto"                  # auto | reference | cpu | triton | npu
-    lm_head_quant: str = "checkpoint"      # checkpoint (the head as stored) | int8 (per-channel, the A8W8 kernel)
+    lm_head_quant: str = "checkpoint"      # checkpoint (the head as stored) | int8 (per channel, A8W8) | int4 (group 128, W4A16)
     kernel_cache_dir: str | None = None
     cuda_graphs: bool = True               # decode and [spec] verification from CUDA graphs (CUDA + Triton)
     num_threads: int | None = None         # default: one per core of cpu_cores, else torch's

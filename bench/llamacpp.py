@@ -97,9 +97,11 @@ def converter_python(home: Path = HOME) -> Path:
 
 
 # GGUF file tag -> llama-quantize's (options, type). llama-quantize writes output.weight (the head) in Q6_K for Q4_0
-# by default; q4_0-q8head keeps it in Q8_0 (--output-tensor-type), the bytes of the engine's int8 head, so a W4A16
-# engine with that head reads what the GGUF reads (the MoE group reports both).
-QUANTS = {"q8_0": ((), "Q8_0"), "q4_0": ((), "Q4_0"), "q4_0-q8head": (("--output-tensor-type", "q8_0"), "Q4_0")}
+# by default; q4_0-q8head keeps it in Q8_0 (--output-tensor-type), the bytes of the engine's int8 head, and
+# q4_0-q4head in Q4_0, the bytes of its int4 head (4.5 bits a weight both), so a W4A16 engine with that head reads
+# what the GGUF reads (the MoE group reports the default file and the bytes-matched one).
+QUANTS = {"q8_0": ((), "Q8_0"), "q4_0": ((), "Q4_0"), "q4_0-q8head": (("--output-tensor-type", "q8_0"), "Q4_0"),
+          "q4_0-q4head": (("--output-tensor-type", "q4_0"), "Q4_0")}
 
 
 def gguf_paths(checkpoint: Path, home: Path = HOME, quants=("q8_0",)) -> dict[str, Path]:

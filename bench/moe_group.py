@@ -8,9 +8,11 @@ round (A, B, C, D, STREAM, A, B, ...), each figure the median of the rounds.
 Batch-1 decode is compared with its bandwidth floor: the bytes one decode token reads (each layer's attention
 weights and KV rows, the router, the 8 routed experts, the final norm and the head; the weights in the engine's
 packed form: int8 + fp32 scale and column sum per row, int4 + fp32 scale and zero per group of 128) over a STREAM
-read (bench/step_profile.py) measured in the same rounds. The engine runs the int8 head (`--lm-head-quant int8`;
-the checkpoints keep lm_head in bf16 as the published MoE releases do, llama.cpp's Q8_0 / Q4_0 quantize theirs
-to Q8_0 / Q6_K). Only the ratios of one run mean anything on a shared host.
+read (bench/step_profile.py) measured in the same rounds. The checkpoints keep lm_head in bf16 as the published MoE
+releases do; llama.cpp's Q8_0 / Q4_0 quantize theirs to Q8_0 / Q6_K, so the engine quantizes its head at load too:
+int8 for A8W8 (`--lm-head-quant int8`, the bytes of Q8_0's), int4 for W4A16 (`--lm-head-quant int4`, group 128:
+the bytes of a Q4_0 head, which llama.cpp's `q4_0-q4head` file has; its default Q4_0 file's Q6_K head reads 1.45x
+those). Only the ratios of one run mean anything on a shared host.
 """
 from __future__ import annotations
 
@@ -27,10 +29,11 @@ from .run import ROOT, Worker, decode_rate, log
 from .step_profile import stream_read_gbs
 
 SIZE = "30b-a3b"
-# engine format, checkpoint, llama.cpp quants (the first: the one llama-quantize makes by default; q4_0-q8head: Q4_0
-# with its head in Q8_0, the bytes of the engine's int8 head, llama.cpp's side of a bytes-matched comparison)
-PAIRS = (("A8W8", "a8w8", ("q8_0",)), ("W4A16", "w4a16", ("q4_0", "q4_0-q8head")))
-QUANTS = tuple(q for _, _, qs in PAIRS for q in qs)
+# engine format, checkpoint, the engine's lm_head_quant, llama.cpp quants (the first: the one llama-quantize makes by
+# default; q4_0-q4head: Q4_0 with its head in Q4_0, the bytes of the engine's int4 head, llama.cpp's side of a
+# bytes-matched comparison)
+PAIRS = (("A8W8", "a8w8", "int8", ("q8_0",)), ("W4A16", "w4a16", "int4", ("q4_0", "q4_0-q4head")))
+QUANTS = tuple(q for *_, qs in PAIRS for q in qs)
 
 
 def checkpoint_dir(layers: int, fmt: str, size: str = SIZE) -> Path:
@@ -63,8 +66,9 @@ def _w_bytes(fmt: str, n: int, k: int, group: int = 128) -> int:
     return 2 * n * k
 
 
-def bytes_per_token(cfg: dict, fmt: str, context: int, head_int8: bool = True, group: int = 128) -> dict[str, int]:
-    """What one batch-1 decode token reads, by part, at `context` tokens in the KV cache (bf16)."""
+def bytes_per_token(cfg: dict, fmt: str, context: int, head: str = "int8", group: int = 128) -> dict[str, int]:
+    """What one batch-1 decode token reads, by part, at `context` tokens in the KV cache (bf16); head: the
+    engine's lm_head_quant (int8, int4 in groups of 128, or checkpoint: bf16)."""
     h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     nh, kvh, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     inter, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
@@ -74,9 +78,9 @@ def bytes_per_token(cfg: dict, fmt: str, context: int, head_int8: bool = True, g
     router = 2 * e * h
     experts = k * (_w_bytes(fmt, 2 * inter, h, group) + _w_bytes(fmt, h, inter, group))
     vocab = cfg["vocab_size"]
-    head = vocab * h + 8 * vocab if head_int8 else 2 * vocab * h
+    head_w = _w_bytes({"int8": "a8w8", "int4": "w4a16"}.get(head, "bf16"), vocab, h, 128 if h % 128 == 0 else h)
     return {"attention": layers * attn, "kv": layers * kv, "router": layers * router, "experts": layers * experts,
-            "head": head + 2 * h + 2 * h, "total": layers * (attn + kv + router + experts) + head + 4 * h}
+            "head": head_w + 2 * h + 2 * h, "total": layers * (attn + kv + router + experts) + head_w + 4 * h}
 
 
 def round_ratios(ours: list[float], theirs: list[float]) -> dict:
@@ -125,10 +129,11 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
     threads = len(os.sched_getaffinity(0))
     max_len = str(prompt_len + new_tokens + 16)
     engine = [sys.executable, "-m", "bench.workers.engine_worker", "--max-model-len", max_len, "--max-num-seqs",
-              str(max(batches)), "--kv-cache-memory", "1GiB", "--lm-head-quant", "int8"]
+              str(max(batches)), "--kv-cache-memory", "1GiB"]
     systems: dict = {}
-    for label, fmt, quants in PAIRS:
-        systems[f"engine {label}"] = Worker(f"moe-engine-{fmt}", engine + ["--checkpoint", str(ck[fmt])], out_dir)
+    for label, fmt, head, quants in PAIRS:
+        systems[f"engine {label}"] = Worker(f"moe-engine-{fmt}", engine + ["--checkpoint", str(ck[fmt]),
+                                                                           "--lm-head-quant", head], out_dir)
         for quant in quants if ggufs is not None else ():
             systems[f"llama.cpp {quant.upper()}"] = llamacpp.LlamaCppSystem(ggufs[quant], threads,
                                                                              out_dir / "llamacpp.log")
@@ -162,11 +167,12 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
     for (name, b), v in med.items():
         rows.append({"group": "moe", "system": name, "mode": "decode", "batch": b, "prompt_len": prompt_len,
                      "new_tokens": new_tokens, "layers": layers, "decode_tokens_per_s": v, "runs": decode[(name, b)]})
-    for label, fmt, quants in PAIRS:
-        nb = bytes_per_token(cfg, fmt, prompt_len + new_tokens // 2, group=group)
+    for label, fmt, head, quants in PAIRS:
+        nb = bytes_per_token(cfg, fmt, prompt_len + new_tokens // 2, head=head, group=group)
         floor = gbs * 1e9 / nb["total"]
         eng = f"engine {label}"
-        summary = {"group": "moe", "system": eng, "mode": "summary", "format": fmt, "layers": layers, "quants": quants,
+        summary = {"group": "moe", "system": eng, "mode": "summary", "format": fmt, "lm_head_quant": head,
+                   "layers": layers, "quants": quants,
                    "stream_gbs": gbs, "bytes_per_token": nb, "floor_tokens_per_s": floor,
                    "rss_mib": mem.get(eng, {}).get("rss_mib")}
         for b in batches:

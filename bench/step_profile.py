@@ -408,8 +408,8 @@ def main() -> None:
                     "parallel region per step, per phase (decode_layers_profile), with the head, sampling and the rest; "
                     "each thread count's fastest of --rounds rounds, a STREAM read right after it")
     ap.add_argument("--json", default=None, help="also write the figures here")
-    ap.add_argument("--lm-head-quant", default="checkpoint", help="checkpoint (the head as stored) or int8 "
-                    "(EngineConfig.lm_head_quant: the bytes the MoE group's engines read)")
+    ap.add_argument("--lm-head-quant", default="checkpoint", help="checkpoint (the head as stored), int8 or int4 "
+                    "(EngineConfig.lm_head_quant: the heads the MoE group's engines run)")
     args = ap.parse_args()
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine

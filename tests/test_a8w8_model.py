@@ -100,4 +100,4 @@ def test_int8_lm_head_is_the_a8w8_kernel_on_a_per_channel_head_and_keeps_the_emb
     alone = [eng.generate([p], params)[0]["output_ids"] for p in prompts]
     assert [r["output_ids"] for r in eng.generate(prompts, params)] == alone
     with pytest.raises(ValueError, match="lm_head_quant"):
-        EngineConfig.from_params({"checkpoint": "x", "lm_head_quant": "int4"})
+        EngineConfig.from_params({"checkpoint": "x", "lm_head_quant": "int2"})

@@ -175,6 +175,11 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
     w4 = bytes_per_token(cfg, "w4a16", context=100)
     assert w4["experts"] == 4 * 8 * (1536 * 1024 + 1536 * 16 * 8 + 2048 * 384 + 2048 * 6 * 8)
     assert w4["kv"] == 4 * 100 * 4 * 128 * 2 * 2
+    assert w4["head"] == a8["head"]                               # the default head: int8
+    w4_int4 = bytes_per_token(cfg, "w4a16", context=100, head="int4")   # int4 in groups of 128, fp32 scale and zero
+    assert w4_int4["head"] == 151936 * 1024 + 151936 * 16 * 8 + 4 * 2048
+    assert bytes_per_token(cfg, "w4a16", context=100, head="checkpoint")["head"] == 2 * 151936 * 2048 + 4 * 2048
+    assert w4_int4["total"] == sum(v for k, v in w4_int4.items() if k != "total")
 
     moe = tmp_path / "qwen3-30b-a3b-l4-bf16"
     moe.mkdir()
@@ -185,7 +190,8 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
                                                      "q8_0": "qwen3-30b-a3b-l4-q8_0.gguf",
                                                      "q4_0": "qwen3-30b-a3b-l4-q4_0.gguf"}
     assert llamacpp.QUANTS == {"q8_0": ((), "Q8_0"), "q4_0": ((), "Q4_0"),
-                               "q4_0-q8head": (("--output-tensor-type", "q8_0"), "Q4_0")}
+                               "q4_0-q8head": (("--output-tensor-type", "q8_0"), "Q4_0"),
+                               "q4_0-q4head": (("--output-tensor-type", "q4_0"), "Q4_0")}
     assert {k: p.name for k, p in llamacpp.gguf_paths(moe, tmp_path, ("q4_0-q8head",)).items()} == {
         "bf16": "qwen3-30b-a3b-l4-bf16.gguf", "q4_0-q8head": "qwen3-30b-a3b-l4-q4_0-q8head.gguf"}
 

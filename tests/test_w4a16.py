@@ -295,6 +295,58 @@ def test_cpu_kernel_dequantizes_exactly_as_written():
     assert torch.equal(y.t(), REFERENCE.w4a16_prepare(codes, scales, zeros)[0])
 
 
+def _int4_head_rule(w: torch.Tensor, group: int) -> torch.Tensor:
+    """lm_head_quant int4 written out: per group, s = bf16(max|w| / 7.5), q = clamp(round(w / s), -8, 7), w' = q * s."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    s = (g.abs().amax(-1, keepdim=True) / 7.5).clamp_min(1e-6).to(torch.bfloat16).float()
+    return (torch.clamp(torch.round(g / s), -8, 7) * s).reshape(n, k)
+
+
+@pytest.mark.parametrize("name", ["ct-g128-sym", None])
+def test_int4_lm_head_is_the_w4a16_kernel_on_a_group_quantized_head(int4_ckpt, bf16_ckpt, name):
+    """lm_head_quant int4: the head is quantized at load per group of 128 columns (per row where the hidden size
+    is not a multiple of 128) by compressed-tensors' symmetric rule with bf16 scales, and computed by the W4A16
+    kernel: a one-hot hidden row reads back exactly the rule's dequantized weight, in fp32; the tied embedding
+    keeps the checkpoint's rows; greedy ids do not depend on the batch."""
+    from backend_lib.config import EngineConfig
+    from backend_lib.layers.linear import W4A16Linear
+
+    folder = int4_ckpt(name) if name else bf16_ckpt
+    eng = make_engine(folder, dtype="bfloat16", lm_head_quant="int4")
+    model = eng.runner.model
+    assert isinstance(model.lm_head, W4A16Linear)
+    f = safe_open(str(folder / "model.safetensors"), "pt")
+    head_name = "lm_head.weight" if "lm_head.weight" in f.keys() else "model.embed_tokens.weight"
+    w = f.get_tensor(head_name).to(torch.bfloat16)
+    hid = w.shape[1]
+    want = _int4_head_rule(w, 128 if hid % 128 == 0 else hid)
+    ids = torch.tensor([0, 7, 9707, w.shape[0] - 1])
+    assert torch.equal(model.embed(ids), f.get_tensor("model.embed_tokens.weight")[ids].to(torch.bfloat16))
+    with torch.inference_mode():
+        got = model.logits(torch.eye(hid, dtype=torch.bfloat16))
+    assert got.dtype == torch.float32
+    assert torch.equal(got.t(), want)
+    prompts = [[9707, 11, 1879, 0, 576], [40, 1079, 264], [151644, 872, 198, 9707]]
+    params = eng.make_params({"temperature": 0, "max_tokens": 12, "ignore_eos": True})
+    alone = [eng.generate([p], params)[0]["output_ids"] for p in prompts]
+    assert [r["output_ids"] for r in eng.generate(prompts, params)] == alone
+    assert EngineConfig.from_params({"checkpoint": "x", "lm_head_quant": "int4"}).lm_head_quant == "int4"
+
+
+def test_int4_head_groups_are_128_columns_and_rows_chunk_alike():
+    """A head 256 wide quantizes in two groups a row (the checkpoints above are at most 128 wide), the same
+    whatever the chunk of rows quantized at once."""
+    from backend_lib.layers.linear import int4_head_weight
+
+    torch.manual_seed(3)
+    w = (torch.randn(300, 256) * torch.linspace(0.01, 3, 256)).to(torch.bfloat16)
+    got = int4_head_weight(w)
+    assert got.group_size == 128 and tuple(got.scales.shape) == (300, 2)
+    assert torch.equal(got.dequantize(), _int4_head_rule(w, 128))
+    assert torch.equal(int4_head_weight(w, rows_per_chunk=7).dequantize(), got.dequantize())
+
+
 # ----- configs refused naming the field ---------------------------------------------------------------------
 
 def _copy_with(folder, tmp_path, fn):

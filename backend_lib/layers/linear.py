@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointError, QuantScheme, WeightStore
-from ..checkpoint.int4 import Int4Weight, read_int4
+from ..checkpoint.int4 import Int4Weight, read_int4, rtn_quantize
 from ..kernels import Kernels
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,7 +64,10 @@ class W4A16Linear(nn.Module):
         self.kernels = kernels
         self.prepared = kernels.w4a16_prepare(weight.codes, weight.scales, weight.zeros, weight.perm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype: y in that dtype (x converted first: bf16 -> fp32 is exact, and the kernels compute in fp32)."""
+        if out_dtype is not None and out_dtype != x.dtype:
+            x = x.to(out_dtype)
         return self.kernels.w4a16_linear(x, self.prepared)
 
 
@@ -108,6 +111,39 @@ def quantize_linear(weight: torch.Tensor, kernels: Kernels, rows_per_chunk: int 
         q[r:r + rows_per_chunk], s = quantize_per_token(weight[r:r + rows_per_chunk])
         scale[r:r + rows_per_chunk] = s.reshape(-1)
     return A8W8Linear(q, scale, kernels)
+
+
+INT4_HEAD_GROUP = 128
+
+
+def int4_head_weight(weight: torch.Tensor, rows_per_chunk: int = 8192) -> Int4Weight:
+    """The int4 form of a float head [N, K] (`lm_head_quant: int4`): compressed-tensors' symmetric W4A16 rule
+    (checkpoint/int4.py rtn_quantize: s = max|w| / 7.5 per group, rounded to bf16 as llmcompressor stores it,
+    q = clamp(round(w / s), -8, 7) stored + 8) per group of 128 columns, or of the whole row where K is not
+    a multiple of 128. Chunks of rows keep the fp32 transient small. Bf16 scales and the one zero point keep
+    the CPU set's batch-1 table lookup exact (kernels/cpu/__init__.py _lut_zero)."""
+    n, k = weight.shape
+    group = INT4_HEAD_GROUP if k % INT4_HEAD_GROUP == 0 else k
+    codes = torch.empty((n, k), dtype=torch.uint8, device=weight.device)
+    scales = torch.empty((n, k // group), dtype=torch.float32, device=weight.device)
+    for r in range(0, n, rows_per_chunk):
+        c, s, _ = rtn_quantize(weight[r:r + rows_per_chunk], group, True, torch.bfloat16)
+        codes[r:r + rows_per_chunk], scales[r:r + rows_per_chunk] = c, s.float()
+    return Int4Weight(codes, scales, torch.full_like(scales, 8), group, None)
+
+
+def make_head(weight: torch.Tensor, kernels: Kernels, lm_head_quant: str) -> nn.Module:
+    """The lm_head module of a float weight [vocab rows, hidden] for EngineConfig.lm_head_quant: 'checkpoint'
+    (the weight as stored: FloatLinear, which also serves a tied embedding's rows), 'int8' (per channel, the
+    A8W8 kernel) or 'int4' (per group of 128, the W4A16 kernel). The quantized ones quantize each row on its
+    own, so a tensor-parallel rank's rows quantize as they do at TP = 1."""
+    if lm_head_quant == "int8":
+        return quantize_linear(weight, kernels)
+    if lm_head_quant == "int4":
+        return W4A16Linear(int4_head_weight(weight), kernels)
+    if lm_head_quant != "checkpoint":
+        raise ValueError(f"lm_head_quant: {lm_head_quant!r} is not supported")
+    return FloatLinear(weight, kernels)
 
 
 def load_linear(store: WeightStore, names: list[str], out_features: list[int], in_features: int,

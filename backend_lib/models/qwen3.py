@@ -16,7 +16,7 @@ from ..checkpoint import ModelConfig, QuantScheme, WeightStore
 from ..device import trim_host_memory
 from ..kernels import Kernels
 from ..layers.attention import Qwen3Attention
-from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear, load_linear, quantize_linear
+from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear, W4A16Linear, load_linear, make_head
 from ..layers.mlp import Qwen3MLP
 from ..layers.moe import Qwen3SparseMoe, load_sparse_moe
 from .qwen3_layer_loop import LayerLoop
@@ -45,7 +45,7 @@ class Qwen3DecoderLayer(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor | None, layers: list[Qwen3DecoderLayer],
-                 norm: torch.Tensor, lm_head: FloatLinear | A8W8Linear, max_positions: int, kernels: Kernels):
+                 norm: torch.Tensor, lm_head: FloatLinear | A8W8Linear | W4A16Linear, max_positions: int, kernels: Kernels):
         """embed None: the embedding is tied to lm_head and read from its (packed) weight."""
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
@@ -116,8 +116,8 @@ class Qwen3ForCausalLM(nn.Module):
     def from_checkpoint(cls, store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
                         device: torch.device, kernels: Kernels, max_positions: int,
                         lm_head_quant: str = "checkpoint") -> "Qwen3ForCausalLM":
-        """lm_head_quant: 'checkpoint' (the head as the checkpoint stores it) or 'int8' (quantized per channel
-        at load, computed by the A8W8 kernel; a tied embedding then keeps its own float rows)."""
+        """lm_head_quant: 'checkpoint' (the head as the checkpoint stores it), 'int8' or 'int4' (quantized at
+        load: layers/linear.py make_head; a tied embedding then keeps its own float rows)."""
         t0 = time.time()
         hid, d = cfg.hidden_size, cfg.head_dim
         h, kvh, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
@@ -131,7 +131,7 @@ class Qwen3ForCausalLM(nn.Module):
         # at once, and with tied embeddings that is the largest tensor of a small model.
         def head(name):
             w = dense(name, (cfg.vocab_size, hid), keep=False)
-            return quantize_linear(w, kernels) if lm_head_quant == "int8" else FloatLinear(w, kernels)
+            return make_head(w, kernels, lm_head_quant)
 
         if store.has("lm_head.weight"):
             if scheme is not None and scheme.is_quantized("lm_head"):

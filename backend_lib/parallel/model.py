@@ -13,7 +13,7 @@ import torch
 from ..checkpoint import CheckpointError, ModelConfig, QuantScheme, WeightStore
 from ..kernels import Kernels
 from ..layers.attention import Qwen3Attention
-from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear, quantize_linear
+from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear, make_head
 from ..layers.mlp import Qwen3MLP
 from ..layers.moe import load_sparse_moe
 from ..models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
@@ -80,8 +80,8 @@ def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | Non
                  device: torch.device, kernels: Kernels, max_positions: int, group: TPGroup,
                  lm_head_quant: str = "checkpoint") -> Qwen3ForCausalLM:
     """Every rank holds its shard of every layer and its vocabulary rows of the embedding and the head (the
-    logits are gathered to rank 0). lm_head_quant as Qwen3ForCausalLM.from_checkpoint's (int8: per channel at
-    load, the A8W8 kernel; per-row scales, so each rank's rows quantize as TP = 1's)."""
+    logits are gathered to rank 0). lm_head_quant as Qwen3ForCausalLM.from_checkpoint's (layers/linear.py
+    make_head: each row quantizes on its own, so each rank's rows quantize as TP = 1's)."""
     hid, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hs: HeadShard = shard_heads(cfg.num_heads, cfg.num_kv_heads, group.rank, group.size)
     rd = _Reader(store, scheme, dtype, device, kernels, group)
@@ -90,7 +90,7 @@ def load_sharded(store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | Non
         return store.get(name, shape, FLOAT_DTYPES).to(device=device, dtype=dtype, copy=True).contiguous()
 
     def head(w):
-        return quantize_linear(w, kernels) if lm_head_quant == "int8" else FloatLinear(w, kernels)
+        return make_head(w, kernels, lm_head_quant)
 
     if scheme is not None and scheme.is_quantized("lm_head"):
         raise ValueError("quantization_config: a quantized lm_head is not supported; add it to 'ignore'")

@@ -13,33 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.int4 import AWQ_ORDER
+from ..checkpoint.int4 import AWQ_ORDER, rtn_quantize
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def rtn_quantize(w: torch.Tensor, group_size: int | None, symmetric: bool, scale_dtype: torch.dtype,
-                 perm: torch.Tensor | None = None, min_zero: int = 0):
-    """Round-to-nearest int4 of w [N, K] per group of columns (of perm's order when given): codes uint8 [N, K] in
-    the checkpoint's column order, scales [N, G] (rounded to scale_dtype first, so codes match the stored
-    scale), zeros int [N, G] (8 when symmetric)."""
-    n, k = w.shape
-    gs = group_size or k
-    wf = w.float() if perm is None else w.float()[:, perm]
-    grouped = wf.reshape(n, k // gs, gs)
-    if symmetric:
-        scales = (grouped.abs().amax(-1) / 7.5).clamp_min(1e-6).to(scale_dtype).float()
-        zeros = torch.full_like(scales, 8)
-    else:
-        lo, hi = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
-        scales = ((hi - lo) / 15).clamp_min(1e-6).to(scale_dtype).float()
-        zeros = torch.clamp(torch.round(-lo / scales), min_zero, 15)
-    codes = torch.clamp(torch.round(grouped / scales[..., None]) + zeros[..., None], 0, 15).reshape(n, k)
-    if perm is not None:
-        out = torch.empty_like(codes)
-        out[:, perm] = codes
-        codes = out
-    return codes.to(torch.uint8), scales.to(scale_dtype), zeros.to(torch.int32)
 
 
 def _pack_rows(codes: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:

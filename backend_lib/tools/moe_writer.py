@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .int4_writers import _pack_rows, rtn_quantize
+from ..checkpoint.int4 import rtn_quantize
+from .int4_writers import _pack_rows
 
 PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)"
                         r"\.weight$")
