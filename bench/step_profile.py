@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-LINEAR_OPS = ("a8w8_linear", "float_linear")
+LINEAR_OPS = ("a8w8_linear", "float_linear", "w4a16_linear")
 
 
 def stream_read_gbs(threads: int, gib: float = 1.0, repeats: int = 5, huge: bool = True) -> float:

@@ -202,13 +202,16 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
                  "bytes_per_token": a8, "floor_tokens_per_s": 40.0, "vs_floor_b1": 0.75, "vs_llamacpp_b1": 1.5,
                  "vs_llamacpp_b16": 2.0})
     w4_row = {"system": "engine W4A16", "bytes_per_token": w4, "floor_tokens_per_s": 50.0,
-              "quants": ("q4_0", "q4_0-q8head"),
+              "quants": ("q4_0", "q4_0-q8head"), "vs_floor_b1": 0.8, "vs_floor_b1_rounds": round_ratios([8.0, 9.0],
+                                                                                                 [10.0, 10.0]),
               "vs_llamacpp_b1": 0.9, "vs_llamacpp_b1_rounds": round_ratios([9.0], [10.0]),
               "vs_q4_0-q8head_b1": 1.2, "vs_q4_0-q8head_b1_rounds": round_ratios([12.0, 6.0], [10.0, 5.0])}
     line = summary_line(w4_row, [1, 16])
     assert "batch 1 = 0.90x llama.cpp Q4_0 (target >= 1.15) [per round: median 0.90x, 0.90-0.90, 0/1 above 1]" in line
     assert "batch 1 = 1.20x llama.cpp Q4_0-Q8HEAD [per round: median 1.20x, 1.20-1.20, 2/2 above 1]" in line
     assert "batch 16" not in line
+    assert ("batch 1 = 0.80x the floor (target >= 0.8) [per round, each against its own STREAM read: median 0.85x, "
+            "0.80-0.90]") in line
     write_report(rows, {"cpu": "test", "cores": 2, "isa": []}, tmp_path)
     md = (tmp_path / "table.md").read_text()
     assert f"| engine A8W8 | 30.0 | 160.0 | {a8['total'] / 1e6:.1f} MB | 40.0 | 0.75 | 1.50 | 2.00 |" in md
