@@ -88,3 +88,21 @@ def test_npu_w4a16_moe_equals_the_reference_moe(moe_w4a16_ckpt, dtype):
     # the experts' GEMMs are the reference's bits; SwiGLU is npu_swiglu (one rounding, the reference rounds silu)
     ulp = ref.float().abs().max() * (2 ** -8 if dtype == torch.bfloat16 else 2 ** -11)
     assert (got.float() - ref.float()).abs().max() <= 4 * ulp
+
+
+def test_engine_greedy_with_kernels_npu_gives_the_reference_ids_on_a_w4a16_moe(moe_w4a16_ckpt, monkeypatch):
+    """The whole model on the npu set (its attention, norms, router, W4A16 linears and experts, emulated) against
+    the reference set: the same greedy ids, alone and batched."""
+    import backend_lib.kernels.npu as npu
+    from helpers import make_engine
+
+    loaded = []
+    monkeypatch.setattr(npu, "load", lambda device: loaded.append(device) or NPU)   # the emulation for torch_npu
+    eng = make_engine(moe_w4a16_ckpt, kernels="npu", dtype="bfloat16")
+    ref = make_engine(moe_w4a16_ckpt, kernels="reference", dtype="bfloat16")
+    assert loaded
+    prompts = [eng.tokenizer.encode(p) for p in ("Hello!", "1, 2, 3, 4,")]
+    params = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    want = [r["output_ids"] for r in ref.generate(prompts, ref.make_params(params))]
+    assert [r["output_ids"] for r in eng.generate(prompts, eng.make_params(params))] == want
+    assert [eng.generate([p], eng.make_params(params))[0]["output_ids"] for p in prompts] == want
