@@ -65,6 +65,9 @@ def test_w4a16_refuses_what_int4pack_cannot_hold():
     codes, scales, zeros = _weight(12, 64, 32, torch.bfloat16)
     with pytest.raises(ValueError, match="N % 8"):
         NPU.w4a16_prepare(codes, scales, zeros)
+    codes, scales, zeros = _weight(16, 64, 32, torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        NPU.w4a16_linear(torch.zeros(1, 64), NPU.w4a16_prepare(codes, scales, zeros))
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,9 @@ def kernel_set(tnpu) -> Kernels:
 
     def w4a16_linear(x, prepared):
         packed, scale, offset, group, perm = prepared
+        if x.dtype not in (torch.bfloat16, torch.float16):     # the op's documented x dtypes
+            raise ValueError(f"kernels npu: w4a16 runs in bfloat16 or float16 (npu_weight_quant_batchmatmul), "
+                             f"not {x.dtype}: set dtype")
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if perm is not None:
