@@ -192,3 +192,52 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
         idx = torch.arange(n) * k + j if drop_pad_mode == 2 else torch.arange(n) + j * n
         out += scales[:, j:j + 1].float() * rows[dst[idx]].float()
     return out.to(rows.dtype)
+
+
+def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
+    """int32 [d0, d1] holding int4 values in [-8, 7] (d1 % 8 == 0, contiguous) -> int32 [d0, d1 / 8]: element
+    2i of a row in the low nibble of byte i, 2i + 1 in its high nibble (aclnnConvertWeightToINT4Pack's
+    PackToINT8), the bytes in order, so little-endian word j holds elements 8j .. 8j + 7 at bits 0, 4, .., 28."""
+    assert weight.dtype == torch.int32 and weight.dim() == 2 and weight.is_contiguous() and inner_k_tiles == 0
+    assert weight.shape[1] % 8 == 0, f"int4pack: last dim {weight.shape[1]} not a multiple of 8"
+    assert int(weight.min()) >= -8 and int(weight.max()) <= 7, "int4pack: values outside [-8, 7]"
+    nib = (weight & 0xF).to(torch.uint8)
+    byte = nib[:, 0::2] | (nib[:, 1::2] << 4)
+    return byte.contiguous().view(torch.int32)
+
+
+def _unpack_int4(packed):
+    """npu_convert_weight_to_int4pack's inverse: int32 [d0, d1 / 8] -> int32 [d0, d1], sign-extended nibbles."""
+    byte = packed.contiguous().view(torch.uint8).to(torch.int32)
+    nib = torch.stack([byte & 0xF, byte >> 4], dim=-1).reshape(packed.shape[0], -1)
+    return torch.where(nib >= 8, nib - 16, nib)
+
+
+def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
+                                 quant_offset=None, bias=None, antiquant_group_size=0, inner_precise=0):
+    """x fp16 / bf16 [M, K] @ W [K, N], W = (q + antiquant_offset) * antiquant_scale from int4 weight q (int32
+    [K, N / 8], npu_convert_weight_to_int4pack's packing); scale / offset in x's dtype, (N,) per channel or
+    (ceil(K / group), N) per group of antiquant_group_size rows of K. The dequantization is done here in fp32 and
+    each row as its own fp32 matrix-vector product (the docs give neither the op's internal precision nor its
+    summation order), the output in x's dtype."""
+    assert quant_scale is None and quant_offset is None and bias is None and inner_precise == 0
+    assert x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2
+    assert weight.dtype == torch.int32 and weight.dim() == 2 and weight.shape[0] == x.shape[1]
+    k, n = weight.shape[0], weight.shape[1] * 8
+    assert antiquant_scale.dtype == x.dtype and (antiquant_offset is None or antiquant_offset.dtype == x.dtype)
+    if antiquant_group_size == 0:
+        assert antiquant_scale.shape == (n,), f"per-channel antiquant_scale {tuple(antiquant_scale.shape)}"
+        rows = torch.zeros(k, dtype=torch.long)
+    else:
+        assert antiquant_scale.shape == (-(-k // antiquant_group_size), n), "per-group antiquant_scale shape"
+        rows = torch.arange(k) // antiquant_group_size
+    s = antiquant_scale.float().reshape(-1, n)[rows]                          # [K, N]
+    o = antiquant_offset.float().reshape(-1, n)[rows] if antiquant_offset is not None else 0.0
+    if antiquant_offset is not None:
+        assert antiquant_offset.shape == antiquant_scale.shape
+    w = ((_unpack_int4(weight).float() + o) * s).t().contiguous()             # [N, K] fp32
+    xf = x.float()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for i in range(x.shape[0]):
+        y[i] = torch.mv(w, xf[i])
+    return y.to(x.dtype)

@@ -1,5 +1,9 @@
 """The Ascend NPU kernel set: torch_npu's fused ops where one covers a slot, the reference elsewhere.
 
+  W4A16           npu_convert_weight_to_int4pack (codes - 8 as int4 [-8, 7], [K, N] -> int32 [K, N / 8]) +
+                  npu_weight_quant_batchmatmul (W = (q + antiquant_offset) * antiquant_scale, offset = 8 - zero,
+                  per group of antiquant_group_size = K / G columns, per channel when G = 1); GPTQ act-order:
+                  x gathered by perm before the op (the op has no activation permutation argument)
   A8W8            npu_dynamic_quant (per-token int8 + fp32 scale) + npu_quant_matmul (int8 x int8 [K, N],
                   per-channel scale, pertoken_scale), the pair vllm-ascend's W8A8 dynamic scheme uses
   RMSNorm         npu_rms_norm / npu_add_rms_norm
@@ -8,7 +12,8 @@
   attention       npu_fused_infer_attention_score over the block table (TND queries, paged BSH keys and
                   values, sparse_mode 3: causal aligned to the end of each sequence's context)
   MoE             npu_moe_gating_top_k_softmax, npu_moe_init_routing_v2, npu_grouped_matmul,
-                  npu_moe_finalize_routing over each layer's experts stacked once (moe.py)
+                  npu_moe_finalize_routing over each layer's experts stacked once (moe.py); W4A16 experts: the
+                  grouped default (kernels/moe.py) over this set's W4A16 linear, not yet npu_grouped_matmul
   q/k-norm + RoPE, float linear, TurboQuant: the reference set (pure PyTorch, runs on an NPU)
 
 It has NOT run on an NPU. tests/test_kernels_npu.py runs it against emulations of each op written from
@@ -56,6 +61,39 @@ def kernel_set(tnpu) -> Kernels:
         y = tnpu.npu_quant_matmul(q, w_t, w_scale, pertoken_scale=s, output_dtype=out_dtype)
         return y.to(x.dtype).reshape(*shape[:-1], w_t.shape[1])
 
+    def w4a16_prepare(codes, scales, zeros, perm=None):
+        # npu_weight_quant_batchmatmul's weight is signed int4 [K, N] packed 8 per int32 along N (N % 8 == 0,
+        # npu_convert_weight_to_int4pack's constraint); the contract's codes are 0..15 with zeros, so q = code - 8
+        # and the documented antiquant W = (q + offset) * scale gives (code - zero) * scale with offset = 8 - zero
+        n, k = codes.shape
+        g = scales.shape[1]
+        if n % 8:
+            raise ValueError(f"kernels npu: w4a16 needs output features N % 8 == 0 (int4pack), got N={n}")
+        if k % g:
+            raise ValueError(f"kernels npu: w4a16 groups must split K={k} evenly, got {g} groups")
+        q = (codes.to(torch.int32) - 8).t().contiguous()                     # [K, N] in [-8, 7]
+        packed = tnpu.npu_convert_weight_to_int4pack(q)
+        scale = scales.float().t().contiguous()                              # [G, N]
+        offset = (8.0 - zeros.float()).t().contiguous()
+        if g == 1:
+            scale, offset = scale[0], offset[0]                              # per channel: (N,)
+        return packed, scale, offset, (k // g if g > 1 else 0), perm
+
+    def w4a16_linear(x, prepared):
+        packed, scale, offset, group, perm = prepared
+        if x.dtype not in (torch.bfloat16, torch.float16):     # the op's documented x dtypes
+            raise ValueError(f"kernels npu: w4a16 runs in bfloat16 or float16 (npu_weight_quant_batchmatmul), "
+                             f"not {x.dtype}: set dtype")
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if perm is not None:
+            x2 = x2.index_select(1, perm)            # GPTQ act-order: the op takes no permutation of x
+        # antiquant_scale / offset must be in x's dtype (the docs): exact when the checkpoint's scales are
+        # representable in it (fp16 scales of an fp16 model), otherwise rounded once to it
+        y = tnpu.npu_weight_quant_batchmatmul(x2, packed, scale.to(x.dtype), antiquant_offset=offset.to(x.dtype),
+                                              antiquant_group_size=group)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
     def rms_norm(x, weight, eps):
         return tnpu.npu_rms_norm(x, weight, epsilon=eps)[0]
 
@@ -96,8 +134,8 @@ def kernel_set(tnpu) -> Kernels:
         silu_mul=silu_mul,
         a8w8_prepare=a8w8_prepare,
         a8w8_linear=a8w8_linear,
-        w4a16_prepare=REFERENCE.w4a16_prepare,   # int4 weight-only: the reference (no torch_npu op used yet)
-        w4a16_linear=REFERENCE.w4a16_linear,
+        w4a16_prepare=w4a16_prepare,
+        w4a16_linear=w4a16_linear,
         float_prepare=REFERENCE.float_prepare,
         float_linear=REFERENCE.float_linear,
         float_rows=REFERENCE.float_rows,
