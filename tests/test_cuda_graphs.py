@@ -43,8 +43,8 @@ def test_a_padded_decode_equals_the_unpadded_one_and_padding_writes_nothing(a8w8
     with torch.inference_mode():
         unpadded = runner.decode_logits(ids, tables, cached)
         state = [t.clone() for t in vars(runner.kv_cache).values() if isinstance(t, list) for t in t]
-        padded = graphs.run(ids, tables, cached)          # bucket 4: one padding row
-    assert padded.shape == unpadded.shape and torch.equal(padded, unpadded)
+        padded, aux = graphs.run(ids, tables, cached)     # bucket 4: one padding row
+    assert padded.shape == unpadded.shape and torch.equal(padded, unpadded) and aux is None   # no aux layers
     after = [t for t in vars(runner.kv_cache).values() if isinstance(t, list) for t in t]
     assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(after, state))
     assert all(not t[0].any() for t in after if t.dim() >= 3)   # page 0 never written
@@ -66,5 +66,5 @@ def test_a_padded_moe_decode_equals_the_unpadded_one(moe_a8w8_ckpt):
     cached = torch.tensor([5, 17, 2], dtype=torch.int32)
     with torch.inference_mode():
         unpadded = runner.decode_logits(ids, tables, cached)
-        padded = graphs.run(ids, tables, cached)
+        padded, _ = graphs.run(ids, tables, cached)
     assert padded.shape == unpadded.shape and torch.equal(padded, unpadded)

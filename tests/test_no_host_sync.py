@@ -94,8 +94,8 @@ def test_a_verification_graphs_step_never_syncs(a8w8_ckpt, kv_cache):
 
     runner, mode = _runner(a8w8_ckpt, TRITON, kv_cache)
     with mode, torch.no_grad():
-        logits = VerifyGraphs(runner, 4, 16, 2, capture=False)._step(4)
-    assert logits.device.type == "cuda" and tuple(logits.shape) == (13, runner.model.cfg.vocab_size)
+        logits, aux = VerifyGraphs(runner, 4, 16, 2, capture=False)._step(4, None)
+    assert logits.device.type == "cuda" and tuple(logits.shape) == (13, runner.model.cfg.vocab_size) and aux is None
 
 
 def test_the_check_catches_a_host_sync(a8w8_ckpt):

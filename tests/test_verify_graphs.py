@@ -75,7 +75,7 @@ def test_the_bucket_is_the_smallest_that_holds_the_steps_sequences(m, bucket):
 
 
 class _Runner:                              # what VerifyGraphs reads of a ModelRunner before a step
-    device, page_size = torch.device("cpu"), 16
+    device, page_size, aux_layers = torch.device("cpu"), 16, None
 
 
 def test_the_steps_that_fall_back_to_eager():
@@ -138,9 +138,9 @@ def test_a_padded_verification_equals_the_eager_step_and_padding_writes_nothing(
         eager = runner.model.logits(runner.forward(plan, ids, positions, meta)[rows])
         written = _pools(runner)
         _restore(runner, before)
-        padded, padded_seqs = graphs.run(plan)
+        padded, padded_seqs, aux = graphs.run(plan)
     assert padded.shape == eager.shape == (6, runner.model.cfg.vocab_size) and torch.equal(padded, eager)
-    assert padded_seqs == seqs
+    assert padded_seqs == seqs and aux is None
     after = _pools(runner)
     assert any(not torch.equal(a, b) for a, b in zip(written, before))          # the real rows wrote their KV
     assert all(torch.equal(a, b) for a, b in zip(after, written))               # the padding nothing more
@@ -173,3 +173,128 @@ def test_the_engine_with_the_graphs_path_gives_the_ids_of_speculation_off(small_
     assert replays and on.stats.spec_num_accepted_tokens >= 2, "no verification step ran through the graphs"
     assert [1, 3] in replays or [1, 2] in replays, replays      # a plain decode row beside a verification
     assert on.stats.spec_num_accepted_tokens < on.stats.spec_num_draft_tokens     # and some drafts were rejected
+
+
+# ----- [spec] EAGLE-3: the graphs capture forward_aux's aux states too ------------------------------------------
+def _aux_layers(runner):
+    return (0, 1, len(runner.model.layers))     # the embeddings, a middle layer's input, the last layer's output
+
+
+def test_a_padded_eagle3_verification_gives_the_eager_aux_bit_for_bit(small_vocab):
+    """With the runner's aux layers set (an EAGLE-3 engine) a verification bucket and a decode bucket give the
+    eager forward_aux's logits and aux rows (torch.equal), copied out of the static buffer: a later step's replay
+    leaves them as they were."""
+    runner = _runner(small_vocab["a8w8_ckpt"], "bf16")
+    runner.aux_layers = _aux_layers(runner)
+    plan = _step()
+    graphs = VerifyGraphs(runner, 4, 4, 2, capture=False)
+    before = _pools(runner)
+    with torch.inference_mode():
+        ids, positions, meta, rows, seqs = runner.prepare(plan)
+        hidden, states = runner.forward(plan, ids, positions, meta, aux=True)
+        eager = runner.model.logits(hidden[rows])
+        _restore(runner, before)
+        padded, padded_seqs, aux = graphs.run(plan)
+        width = len(runner.aux_layers) * runner.model.cfg.hidden_size
+        assert aux.shape == states.shape == (6, width) and torch.equal(aux, states)
+        assert torch.equal(padded, eager) and padded_seqs == seqs
+        assert aux.untyped_storage().data_ptr() != graphs.aux_buf.untyped_storage().data_ptr()
+        kept = aux.clone()
+        # another step (one sequence, bucket 1) through the same static buffer: the first step's rows stay
+        _restore(runner, before)
+        other = [VerifyingSeq(range(40, 47), [3, 4], [2]).plan()]
+        ids2, positions2, meta2, _, _ = runner.prepare(other)
+        _, states2 = runner.forward(other, ids2, positions2, meta2, aux=True)
+        _restore(runner, before)
+        _, _, aux2 = graphs.run(other)
+        assert torch.equal(aux2, states2) and torch.equal(aux, kept)
+        # a decode bucket (3 rows in bucket 4)
+        _restore(runner, before)
+        decode = DecodeGraphs(runner, 4, 4, capture=False)
+        d_ids = torch.tensor([11, 22, 33])
+        tables = torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int32)
+        cached = torch.tensor([5, 17, 2], dtype=torch.int32)
+        from backend_lib.kv_cache.metadata import AttentionMetadata
+        d_meta, d_pos = AttentionMetadata.for_decode(tables, cached, runner.page_size)
+        d_hidden, d_states = runner.model.forward_aux(d_ids, d_pos, runner.kv_cache, d_meta, runner.aux_layers)
+        _restore(runner, before)
+        d_logits, d_aux = decode.run(d_ids, tables, cached)
+    assert torch.equal(d_aux, d_states) and torch.equal(d_logits, runner.model.logits(d_hidden))
+
+
+def _eagle3_engines(ckpt, head, graphs_k, k=2, max_num_seqs=2):
+    """An engine without speculation and one with the EAGLE-3 head through the graphs' padded buffers (capture
+    off), its verification graphs holding graphs_k drafts a sequence; every graph step and every eager forward
+    of the second recorded."""
+    opts = dict(dtype="bfloat16", kernels="triton", max_num_seqs=max_num_seqs, max_model_len=64)
+    off = make_engine(ckpt, **opts)
+    on = make_engine(ckpt, speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": k,
+                                               "min_acceptance": 0.0}, **opts)
+    runner = on.runner
+    assert runner.aux_layers is not None and runner.verify_graphs is None     # the CPU: eager
+    runner.graphs = DecodeGraphs(runner, max_num_seqs, 4, capture=False)
+    runner.verify_graphs = VerifyGraphs(runner, max_num_seqs, 4, graphs_k, capture=False)
+    log = {"verify": [], "decode": 0, "eager": []}
+    vrun, drun, fwd = runner.verify_graphs.run, runner.graphs.run, runner.forward
+
+    def verify(plan):
+        out = vrun(plan)
+        assert out[2] is not None and out[2].shape[0] == out[0].shape[0]     # the aux of every real row
+        log["verify"].append(sorted(len(seq.spec_tokens) for seq, _ in plan))
+        return out
+
+    def decode(*a):
+        out = drun(*a)
+        assert out[1] is not None
+        log["decode"] += 1
+        return out
+
+    def eager(plan, *a, **kw):
+        log["eager"].append([(seq.num_pending, len(seq.spec_tokens)) for seq, _ in plan])
+        return fwd(plan, *a, **kw)
+    runner.verify_graphs.run, runner.graphs.run, runner.forward = verify, decode, eager
+    return off, on, log
+
+
+@pytest.fixture(scope="module")
+def copy_head(tmp_path_factory, small_vocab):
+    from backend_lib.tools.make_eagle3_head import build
+
+    return build(small_vocab["a8w8_ckpt"], tmp_path_factory.mktemp("eagle3") / "copy", copy=True)
+
+
+EAGLE_PROMPTS = ("a b a b a b a b", "1, 2, 1, 2, 1, 2")
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.3, "top_k": 50, "seed": 11}],
+                         ids=["greedy", "seeded"])
+def test_an_eagle3_engine_through_the_graphs_gives_the_ids_of_speculation_off(small_vocab, copy_head, params):
+    """Alone and batched: the ids of an engine without speculation; every step past the prompts' prefill replays
+    a graph (verification with the head's drafts, or decode), with the aux rows the head reads."""
+    from spec_helpers import spec_ids
+
+    params = {**params, "max_tokens": 6, "ignore_eos": True}
+    off, on, log = _eagle3_engines(small_vocab["a8w8_ckpt"], copy_head, graphs_k=2)
+    prompts = [on.tokenizer.encode(p) for p in EAGLE_PROMPTS]
+    assert max(max(p) for p in prompts) < VOCAB
+    for batch in ([prompts[0]], prompts):
+        assert spec_ids(on, batch, params) == spec_ids(off, batch, params)
+    # eager: only steps with a prefill chunk (batched: one prompt's prefill beside the other's decode row)
+    assert all(any(n > 1 for n, _ in step) for step in log["eager"]), log["eager"]
+    assert len(log["verify"]) >= 4 and log["decode"] + len(log["verify"]) >= 2 * 5, log
+    # (the tiny random target does not loop within 6 tokens of a 3,000-token vocabulary: the copy head's drafts
+    # are rejected here, so these steps prove the verification's rejections and the head's aux feed)
+    assert on.stats.spec_num_draft_tokens > 0
+
+
+def test_an_eagle3_step_with_more_drafts_than_the_graphs_hold_runs_eagerly(small_vocab, copy_head):
+    """The verification graphs hold 1 draft a sequence, the head drafts 2: those steps run eagerly (their aux
+    through forward_aux), the others replay; the ids are still speculation off's."""
+    from spec_helpers import spec_ids
+
+    params = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    off, on, log = _eagle3_engines(small_vocab["a8w8_ckpt"], copy_head, graphs_k=1)
+    prompts = [on.tokenizer.encode(p) for p in EAGLE_PROMPTS]
+    assert spec_ids(on, prompts, params) == spec_ids(off, prompts, params)
+    assert any(k == 2 for step in log["eager"] for n, k in step if n == 1), log["eager"]   # eager verifications
+    assert all(max(step) <= 1 for step in log["verify"]) and (log["verify"] or log["decode"]), log

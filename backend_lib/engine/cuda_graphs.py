@@ -21,10 +21,17 @@ changes between replays without a new graph. Why not eager for a row with fewer 
 proposer drafts fewer than k, or none, for many rows of a step, so those steps would rarely replay. A padded
 bucket computes n * (k + 1) + 1 rows whatever the step's real rows (the cost of one graph per bucket).
 
-Eager instead (the runner decides, or `fits` says no): steps with a prefill chunk, LoRA rows, EAGLE-3 steps
-(the head reads aux hidden states the graphs do not return), a sequence with more than k drafts or a table
-wider than max_model_len, and every step after a failed capture of that kind (logged). The draft model's own
-forwards are eager.
+[spec] EAGLE-3 (the runner's aux_layers set: its head reads the target's aux hidden states): both kinds capture
+forward_aux instead of forward, and the graph copies the aux states [rows, len(aux_layers) * hidden] into one
+static buffer (the largest bucket's rows; each bucket writes its first rows), from which `run` hands a copy of
+the real rows back (the next replay overwrites the buffer). The hidden, logits and aux bits of the real rows are
+the eager forward_aux's (padding rows are rows of their own: batch invariance). Such an engine's graphs always
+compute the aux, also in a step whose requests all opted out (the runner then drops it, as padding logits).
+Graphs are keyed by (bucket, aux layers).
+
+Eager instead (the runner decides, or `fits` says no): steps with a prefill chunk, LoRA rows, a sequence with
+more than k drafts or a table wider than max_model_len, and every step after a failed capture of that kind
+(logged). The draft model's own forwards (and an EAGLE-3 head's) are eager.
 
 Used with the Triton kernel set on CUDA (`cuda_graphs`, default on). `capture=False` runs the same padded
 buffers eagerly: how the CPU tests prove the padding (tests/test_cuda_graphs.py, tests/test_verify_graphs.py).
@@ -60,29 +67,62 @@ def step_rows(seq, n: int, page_size: int) -> tuple[list[int], list[int], list[i
 
 
 class _Graphs:
-    """One graph per bucket: captured at its first use, replayed after; eager from a failed capture on."""
+    """One graph per bucket (and aux layers): captured at its first use, replayed after; eager from a failed
+    capture on. A step gives (fp32 logits [rows, vocab], the aux states in the static buffer [rows, width] or
+    None without aux layers)."""
     kind = ""
 
-    def __init__(self, runner, capture: bool):
-        self.runner, self.capture = runner, capture
-        self.graphs: dict[int, tuple] = {}
+    def __init__(self, runner, capture: bool, max_rows: int):
+        self.runner, self.capture, self.max_rows = runner, capture, max_rows
+        self.graphs: dict[tuple, tuple] = {}
         self.failed = False
+        self.aux_buf: torch.Tensor | None = None      # [spec] EAGLE-3: the aux states' static buffer
+        self.aux_key: tuple[int, ...] | None = None   # the aux layers it was allocated for
 
-    def _step(self, n: int) -> torch.Tensor:
+    @property
+    def aux_layers(self) -> tuple[int, ...] | None:
+        return self.runner.aux_layers
+
+    def aux_buffer(self) -> torch.Tensor | None:
+        """[spec] The static aux buffer of the runner's aux layers, allocated outside any capture (every graph
+        writes into this one tensor); None without aux layers."""
+        layers = self.aux_layers
+        if layers is None:
+            return None
+        if self.aux_buf is None or self.aux_key != layers:
+            model = self.runner.model
+            self.aux_buf = torch.zeros((self.max_rows, len(layers) * model.cfg.hidden_size), dtype=model.dtype,
+                                       device=self.runner.device)
+            self.aux_key = layers
+        return self.aux_buf
+
+    def _step(self, n: int, aux_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, aux states or None) of bucket n's rows over the static inputs."""
         raise NotImplementedError
 
-    def _replay(self, n: int) -> torch.Tensor:
+    def _outputs(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a graph holds: the step, its aux states copied into the static buffer's first rows."""
+        logits, aux = self._step(n, self.aux_layers)
+        if aux is None:
+            return logits, None
+        out = self.aux_buf.narrow(0, 0, aux.shape[0])
+        out.copy_(aux)
+        return logits, out
+
+    def _replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.aux_buffer()
         if not self.capture:
-            return self._step(n)
-        if n not in self.graphs:
+            return self._outputs(n)
+        key = (n, self.aux_layers)
+        if key not in self.graphs:
             try:
-                self.graphs[n] = self._capture(n)
+                self.graphs[key] = self._capture(n)
             except RuntimeError as exc:     # never a broken engine for want of a graph: eager from here on
                 log.warning("CUDA graph capture of the bucket-%d %s step failed (%s); running those steps eagerly",
                             n, self.kind, exc)
                 self.failed = True
-                return self._step(n)
-        graph, out = self.graphs[n]
+                return self._outputs(n)
+        graph, out = self.graphs[key]
         graph.replay()
         return out
 
@@ -90,21 +130,27 @@ class _Graphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):      # warm-up: Triton compiles its variants, the allocator settles
-            self._step(n)
+            self._outputs(n)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._step(n)
-        log.info("captured the bucket-%d %s step as a CUDA graph", n, self.kind)
+            out = self._outputs(n)
+        log.info("captured the bucket-%d %s step%s as a CUDA graph", n, self.kind,
+                 "" if out[1] is None else " with its aux states")
         return graph, out
+
+
+def _kept(aux: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """[spec] The real rows of the static aux buffer, copied out: the next replay overwrites the buffer."""
+    return None if aux is None else aux[:rows].clone()
 
 
 class DecodeGraphs(_Graphs):
     kind = "decode"
 
     def __init__(self, runner, max_num_seqs: int, max_pages: int, capture: bool = True):
-        super().__init__(runner, capture)
         self.buckets = buckets(max_num_seqs)
+        super().__init__(runner, capture, self.buckets[-1])
         n, dev = self.buckets[-1], runner.device
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.tables = torch.zeros((n, max_pages), dtype=torch.int32, device=dev)
@@ -113,8 +159,9 @@ class DecodeGraphs(_Graphs):
     def fits(self, batch: int, width: int) -> bool:
         return not self.failed and batch <= self.buckets[-1] and width <= self.tables.shape[1]
 
-    def run(self, ids: torch.Tensor, tables: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [B, vocab] of a decode step (device tensors in, as ModelRunner.decode_inputs gives)."""
+    def run(self, ids: torch.Tensor, tables: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(fp32 logits [B, vocab], [spec] the aux states [B, width] with aux layers, else None) of a decode step
+        (device tensors in, as ModelRunner.decode_inputs gives)."""
         b, w = tables.shape
         n = next(k for k in self.buckets if k >= b)
         self.ids[:b].copy_(ids)
@@ -122,10 +169,15 @@ class DecodeGraphs(_Graphs):
         self.tables[:b, w:].zero_()
         self.context[:b].copy_(context)
         self.context[b:n].fill_(-1)
-        return self._replay(n)[:b]
+        logits, aux = self._replay(n)
+        return logits[:b], _kept(aux, b)
 
-    def _step(self, n: int) -> torch.Tensor:
-        return self.runner.decode_logits(self.ids[:n], self.tables[:n], self.context[:n])
+    def _step(self, n: int, aux_layers):
+        ids, tables, context = self.ids[:n], self.tables[:n], self.context[:n]
+        if aux_layers is None:
+            return self.runner.decode_logits(ids, tables, context), None
+        meta, positions = AttentionMetadata.for_decode(tables, context, self.runner.page_size)
+        return self.runner.step_logits_aux(ids, positions, meta, aux_layers)
 
 
 @dataclass
@@ -172,9 +224,9 @@ class VerifyGraphs(_Graphs):
 
     def __init__(self, runner, max_num_seqs: int, max_pages: int, num_speculative_tokens: int,
                  capture: bool = True):
-        super().__init__(runner, capture)
         self.buckets = buckets(max_num_seqs)
         self.per_seq = num_speculative_tokens + 1
+        super().__init__(runner, capture, self.num_rows(self.buckets[-1]))
         self.max_pages, self.page_size = max_pages, runner.page_size
         n, dev = self.buckets[-1], runner.device
         t = self.num_rows(n)
@@ -203,9 +255,10 @@ class VerifyGraphs(_Graphs):
     def layout(self, plan) -> VerifyLayout:
         return verify_layout(plan, self.buckets, self.per_seq, self.page_size)
 
-    def run(self, plan) -> tuple[torch.Tensor, list]:
-        """(fp32 logits [rows, vocab] of the step's rows, in step order; each row's sequence), as the eager
-        step's prepare + forward give them (plan: fits(plan))."""
+    def run(self, plan) -> tuple[torch.Tensor, list, torch.Tensor | None]:
+        """(fp32 logits [rows, vocab] of the step's rows, in step order; each row's sequence; [spec] their aux
+        states [rows, width] with aux layers, else None), as the eager step's prepare + forward (forward_aux)
+        give them (plan: fits(plan))."""
         lay = self.layout(plan)
         n, total, m = lay.bucket, self.num_rows(lay.bucket), len(lay.tables)
         width = max(len(t) for t in lay.tables)
@@ -219,9 +272,10 @@ class VerifyGraphs(_Graphs):
         self.tables[:m, width:].zero_()
         self.tables[m:n + 1].zero_()
         seqs = [seq for seq, rows in plan for _ in range(rows)]
-        return self._replay(n)[:lay.rows], seqs
+        logits, aux = self._replay(n)
+        return logits[:lay.rows], seqs, _kept(aux, lay.rows)
 
-    def _step(self, n: int) -> torch.Tensor:
+    def _step(self, n: int, aux_layers):
         # views by narrow / unbind (what [...] gives, but these also run on fake CUDA tensors in a CPU-only torch:
         # tests/test_no_host_sync.py runs this body under FakeTensorMode)
         t = self.num_rows(n)
@@ -229,4 +283,6 @@ class VerifyGraphs(_Graphs):
         qsl, lens = self.layout_buf.unbind(0)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=self.tables.narrow(0, 0, n + 1),
                                  query_start_loc=qsl.narrow(0, 0, n + 2), seq_lens=lens.narrow(0, 0, n + 1))
-        return self.runner.step_logits(ids, positions, meta)
+        if aux_layers is None:
+            return self.runner.step_logits(ids, positions, meta), None
+        return self.runner.step_logits_aux(ids, positions, meta, aux_layers)

@@ -60,12 +60,12 @@ class ModelRunner:
             else:
                 attach(self.model, self.lora_ctx, kernels)
         # decode replayed from CUDA graphs: the Triton set only (its KV writes skip the padding rows); [spec] and
-        # verification steps, k + 1 rows a sequence (engine/cuda_graphs.py)
+        # verification steps, k + 1 rows a sequence, an EAGLE-3 head's aux states included (engine/cuda_graphs.py)
         self.graphs = self.verify_graphs = None
         if cfg.cuda_graphs and device.type == "cuda" and kernels.name == "triton":
             max_pages = -(-max_model_len // cfg.page_size)
             self.graphs = DecodeGraphs(self, cfg.max_num_seqs, max_pages)
-            if cfg.speculative is not None and cfg.speculative.method != "eagle3":   # a head's steps are eager (aux)
+            if cfg.speculative is not None:
                 self.verify_graphs = VerifyGraphs(self, cfg.max_num_seqs, max_pages,
                                                   cfg.speculative.num_speculative_tokens)
         self.fault_every = fault_every
@@ -140,6 +140,13 @@ class ModelRunner:
         step): the base model's forward, no host read."""
         return self.model.logits(self.model(input_ids, positions, self.kv_cache, meta))
 
+    def step_logits_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[spec] step_logits through forward_aux: (fp32 logits [T, vocab], the aux layers' states [T, width]), the
+        same logits bits (the graphs' step of an EAGLE-3 engine), no host read."""
+        hidden, aux = self.model.forward_aux(input_ids, positions, self.kv_cache, meta, aux_layers)
+        return self.model.logits(hidden), aux
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs the step; a raise here is a fault of the whole forward. Sampling faults are per row."""
@@ -151,16 +158,21 @@ class ModelRunner:
         steps = plan.seqs
         result = StepResult()
         # [spec] rows of sequences an EAGLE-3 head drafts for: their aux hidden states too (forward_aux: the C++
-        # layer loop where it applies, else the Python loop; never the graphs, which return no aux)
+        # layer loop where it applies, else the Python loop; the graphs of an EAGLE-3 engine capture it, and give
+        # it in every step: dropped here when no row wants it)
         aux = self.aux_layers is not None and any(self.wants_aux(seq) for seq, _ in steps)
         # a step with LoRA rows runs eagerly (the graphs hold the base model's forward only)
-        base = not aux and not any(seq.lora for seq, _ in steps)
+        base = not any(seq.lora for seq, _ in steps)
         if self.graphs is not None and base and self.is_decode(steps) \
                 and self.graphs.fits(len(steps), max(len(seq.block_table) for seq, _ in steps)):
             seqs = [seq for seq, _ in steps]
-            logits = self.graphs.run(*self.decode_inputs(steps))
+            logits, states = self.graphs.run(*self.decode_inputs(steps))
+            if aux:
+                result.hidden = self._aux_rows(steps, states)
         elif self.verify_graphs is not None and base and self.verify_graphs.fits(steps):   # [spec]
-            logits, seqs = self.verify_graphs.run(steps)
+            logits, seqs, states = self.verify_graphs.run(steps)
+            if aux:
+                result.hidden = self._aux_rows(steps, states)
         else:
             input_ids, positions, meta, rows, seqs = self.prepare(steps)
             hidden = self.forward(steps, input_ids, positions, meta, aux)
