@@ -336,7 +336,7 @@ def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict
         ops[label] = {"ms_per_step": ms, "mb_per_step": nbytes / 1e6,
                       "gb_per_s": nbytes / 1e6 / (ms + wait) if lin else None}   # read rate over work + tail
     region_ms = sum(v for ph, v in phase_ms.items() if ph != "prologue")
-    ops["layers call: the rest (the op's dispatch of ~500 tensors, Python)"] = {
+    ops["layers call: the rest (the Python around the op, its dispatch, the team's wake-up and join)"] = {
         "ms_per_step": med(layer_ns) / 1e6 - region_ms - phase_ms["prologue"], "mb_per_step": 0, "gb_per_s": None}
     for label in sorted(timer.ns, key=lambda k: -timer.ns[k]):
         ms = timer.ns[label] / steps / 1e6
