@@ -11,7 +11,7 @@ packed form: int8 + fp32 scale and column sum per row, int4 + fp32 scale and zer
 read (bench/step_profile.py) measured in the same rounds. The checkpoints keep lm_head in bf16 as the published MoE
 releases do; llama.cpp's Q8_0 / Q4_0 quantize theirs to Q8_0 / Q6_K, so the engine quantizes its head at load too:
 int8 for A8W8 (`--lm-head-quant int8`, the bytes of Q8_0's), int4 for W4A16 (`--lm-head-quant int4`, group 128:
-the bytes of a Q4_0 head, which llama.cpp's `q4_0-q4head` file has; its default Q4_0 file's Q6_K head reads 1.45x
+the bytes of a Q4_0 head, which llama.cpp's `q4_0-q4head` file has; its default Q4_0 file's Q6_K head reads 1.46x
 those). Only the ratios of one run mean anything on a shared host.
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from backend_lib.layers.linear import INT4_HEAD_GROUP
 
 from . import llamacpp
 from .run import ROOT, Worker, decode_rate, log
@@ -78,7 +80,8 @@ def bytes_per_token(cfg: dict, fmt: str, context: int, head: str = "int8", group
     router = 2 * e * h
     experts = k * (_w_bytes(fmt, 2 * inter, h, group) + _w_bytes(fmt, h, inter, group))
     vocab = cfg["vocab_size"]
-    head_w = _w_bytes({"int8": "a8w8", "int4": "w4a16"}.get(head, "bf16"), vocab, h, 128 if h % 128 == 0 else h)
+    head_group = INT4_HEAD_GROUP if h % INT4_HEAD_GROUP == 0 else h   # layers/linear.py int4_head_weight's groups
+    head_w = _w_bytes({"int8": "a8w8", "int4": "w4a16"}.get(head, "bf16"), vocab, h, head_group)
     return {"attention": layers * attn, "kv": layers * kv, "router": layers * router, "experts": layers * experts,
             "head": head_w + 2 * h + 2 * h, "total": layers * (attn + kv + router + experts) + head_w + 4 * h}
 
