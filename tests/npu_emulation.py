@@ -145,19 +145,36 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
                        antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
                        activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
                        group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
-    """The single-tensor case split along M (group_type 0, split_item 2 / 3): x [M, K] and weight [E, K, N];
-    rows [c_0 + ... + c_{g-1}, + c_g) of x times weight[g] (group_list the counts c, group_list_type 1, or their
-    cumsum, 0). int8 x int8 with output_dtype int32 (no scales): exact int32 accumulation (the int8 GEMM of
-    vllm-ascend's decode path); float: fp32 accumulation, the output in x's dtype."""
+    """The single-tensor case split along M (group_type 0, split_item 2 / 3: "单单单", x [M, K], weight [E, K, N],
+    y [M, N]); rows [c_0 + ... + c_{g-1}, + c_g) of x times weight[g], group_list an int64 tensor of length E
+    (<= 1024): the counts c (group_list_type 1: non-negative, length not 1) or their cumsum (0: non-decreasing,
+    its last value M). int8 x int8 with output_dtype int32 (no scales): exact int32 accumulation (the int8 GEMM
+    of vllm-ascend's decode path); float: fp32 accumulation, the output in x's dtype; weight-only int4
+    ("伪量化", formula 4: y_g = x_g @ ((weight_g + antiquant_offset_g) * antiquant_scale_g)): x fp16 / bf16,
+    weight int32 [E, K, N / 8] holding int4 (npu_convert_weight_to_int4pack's packing of each [K, N]),
+    antiquant_scale / antiquant_offset in x's dtype, [E, N] per channel or [E, G, N] per group of K / G rows of
+    K (G dividing K), the output None / x's dtype. The dequantization is done here in fp32 and each row as its
+    own fp32 matrix-vector product (the docs give neither the op's internal precision nor its summation order:
+    the dense npu_weight_quant_batchmatmul's emulation, expert by expert)."""
     assert len(x) == 1 and len(weight) == 1 and group_type == 0 and split_item in (2, 3) and act_type == 0
-    assert all(v is None for v in (bias, offset, antiquant_scale, antiquant_offset, activation_input,
-                                   activation_quant_scale, activation_quant_offset, tuning_config))
+    assert all(v is None for v in (bias, offset, activation_input, activation_quant_scale, activation_quant_offset,
+                                   tuning_config))
     a, w = x[0], weight[0]
     assert a.dim() == 2 and w.dim() == 3 and a.shape[1] == w.shape[1], f"x {tuple(a.shape)} weight {tuple(w.shape)}"
     assert isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and group_list.dim() == 1
     assert group_list.shape[0] == w.shape[0] and group_list.shape[0] <= 1024
-    counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
-    assert group_list_type in (0, 1) and int(counts.sum()) == a.shape[0] and bool((counts >= 0).all())
+    assert group_list_type in (0, 1)
+    if group_list_type == 1:
+        assert group_list.shape[0] != 1, "group_list_type 1: the group_list's length cannot be 1"
+        counts = group_list
+    else:
+        counts = torch.diff(group_list, prepend=group_list.new_zeros(1))
+    assert bool((counts >= 0).all()) and int(counts.sum()) == a.shape[0], \
+        f"group_list {group_list.tolist()} (type {group_list_type}) does not split {a.shape[0]} rows"
+    if antiquant_scale is not None:
+        return [_antiquant_gmm(a, w, antiquant_scale, antiquant_offset, counts, scale, per_token_scale,
+                               output_dtype)]
+    assert antiquant_offset is None
     if a.dtype == torch.int8:
         assert w.dtype == torch.int8 and output_dtype == torch.int32 and scale is None and per_token_scale is None
         out = torch.empty(a.shape[0], w.shape[2], dtype=torch.int32)
@@ -173,6 +190,44 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
             out[start:start + c] = (rows.float() @ w[g].float()).to(a.dtype)
         start += c
     return [out]
+
+
+def _antiquant_gmm(a, w, antiquant_scale, antiquant_offset, counts, scale, per_token_scale, output_dtype):
+    """npu_grouped_matmul's weight-only int4 case (see there)."""
+    assert scale is None and per_token_scale is None
+    assert a.dtype in (torch.float16, torch.bfloat16), f"antiquant: x {a.dtype} (fp16 / bf16)"
+    assert output_dtype in (None, a.dtype), f"antiquant: output_dtype {output_dtype} for x {a.dtype}"
+    assert w.dtype == torch.int32, "int4 weights are int32 words of 8 (npu_convert_weight_to_int4pack)"
+    assert isinstance(antiquant_scale, list) and len(antiquant_scale) == 1
+    assert antiquant_offset is None or (isinstance(antiquant_offset, list) and len(antiquant_offset) == 1)
+    e, k, n = w.shape[0], w.shape[1], w.shape[2] * 8
+    s = antiquant_scale[0]
+    assert s.dtype == a.dtype, f"antiquant_scale {s.dtype} must be x's dtype {a.dtype}"
+    if s.dim() == 2:
+        assert s.shape == (e, n), f"per-channel antiquant_scale {tuple(s.shape)}, want [g, n] = {(e, n)}"
+        rows = torch.zeros(k, dtype=torch.long)
+    else:
+        assert s.dim() == 3 and s.shape[0] == e and s.shape[2] == n, \
+            f"per-group antiquant_scale {tuple(s.shape)}, want [g, G, n]"
+        assert k % s.shape[1] == 0, f"the groups G = {s.shape[1]} must divide K = {k}"
+        rows = torch.arange(k) // (k // s.shape[1])
+    o = antiquant_offset[0] if antiquant_offset is not None else None
+    if o is not None:
+        assert o.shape == s.shape and o.dtype == s.dtype, "antiquant_offset: antiquant_scale's shape and dtype"
+    out = torch.empty(a.shape[0], n, dtype=a.dtype)
+    start = 0
+    for g, c in enumerate(counts.tolist()):
+        if c:
+            sg = s[g].float().reshape(-1, n)[rows]                                      # [K, N]
+            og = o[g].float().reshape(-1, n)[rows] if o is not None else 0.0
+            wg = ((_unpack_int4(w[g]).float() + og) * sg).t().contiguous()             # [N, K] fp32
+            xf = a[start:start + c].float()
+            y = torch.empty(c, n, dtype=torch.float32)
+            for i in range(c):
+                y[i] = torch.mv(wg, xf[i])
+            out[start:start + c] = y.to(a.dtype)
+        start += c
+    return out
 
 
 def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,

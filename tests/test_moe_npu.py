@@ -116,3 +116,186 @@ def test_the_emulated_routing_ops_pin_their_documented_index_conventions():
     scales = torch.ones(3, 2, dtype=torch.bfloat16)
     out = npu_emulation.npu_moe_finalize_routing(rows, None, None, None, scales, row_idx, ids, drop_pad_mode=2)
     assert out[:, 0].tolist() == [2 + 4, 0 + 3, 1 + 5]      # each token's pairs, wherever they were sorted
+
+
+# ----- W4A16 experts: npu_grouped_matmul's antiquant form (weight-only int4) ----------------------------------------
+
+W4A16_MOE = {   # name: (format, options) of tiny-moe checkpoints (names shared with the other MoE tests' options)
+    "tiny-moe-w4a16-asym": ("w4a16", dict(symmetric=False)),                # compressed-tensors, group 32, zeros
+    "tiny-moe-w4a16-g16-asym": ("w4a16", dict(group_size=16, symmetric=False)),
+    "tiny-moe-w4a16-channel": ("w4a16", dict(group_size=None)),             # per channel: antiquant_scale [E, N]
+    "tiny-moe-gptq-g32": ("gptq", dict(group_size=32)),                     # fp16 scales, zeros 1..16 (v1)
+}
+
+
+class _Calls:
+    """torch_npu's emulation, recording the names of the ops the set calls."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def __getattr__(self, name):
+        op = getattr(npu_emulation, name)
+        return lambda *a, **kw: self.names.append(name) or op(*a, **kw)
+
+
+def _int4_expert(e, n, k, group, seed):
+    g = torch.Generator().manual_seed(seed + e)
+    gs = k // (group or k)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, gs, generator=g) * 0.05 + 1e-3).to(torch.bfloat16).float()     # fit bf16 and fp16
+    zeros = torch.randint(0, 17, (n, gs), generator=g).float()                            # GPTQ v1: up to 16
+    return codes, scales, zeros
+
+
+def _documented_int4_weights(experts):
+    """npu_grouped_matmul's antiquant arguments written from the docs alone, not by the set: int4 q = code - 8
+    packed per expert [K, N] by npu_convert_weight_to_int4pack and stacked [E, K, N / 8]; formula 4's
+    (q + offset) * scale with offset = 8 - zero; scales [E, G, N] per group, [E, N] per channel (G = 1)."""
+    w = torch.stack([npu_emulation.npu_convert_weight_to_int4pack((c.to(torch.int32) - 8).t().contiguous())
+                     for c, _, _ in experts])
+    s = torch.stack([sc.t() for _, sc, _ in experts])
+    o = torch.stack([(8.0 - z).t() for _, _, z in experts])
+    return (w, s[:, 0], o[:, 0]) if s.shape[1] == 1 else (w, s, o)
+
+
+@pytest.mark.parametrize("group", [16, 32, None])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_emulated_int4_grouped_matmul_is_each_experts_dequantized_weight(group, dtype):
+    """The emulation itself against a plain dequantized reference: each segment of rows (group_list's counts,
+    an empty expert included) equals the reference W4A16 GEMM of its expert ((code - zero) * scale in fp32, fp32
+    matrix-vector) bit for bit, and a float64 x @ W^T within a rounding; the cumsum form (group_list_type 0)
+    is the same split; one-hot rows read each expert's dequantized weight back."""
+    n, k, counts = 48, 64, [3, 0, 5, 2]
+    experts = [_int4_expert(e, n, k, group, seed=7) for e in range(4)]
+    w, s, o = _documented_int4_weights(experts)
+    assert w.shape == (4, k, n // 8) and s.shape == ((4, k // group, n) if group else (4, n))
+    x = (torch.randn(sum(counts), k, generator=torch.Generator().manual_seed(8)) * 2).to(dtype)
+    kw = dict(antiquant_scale=[s.to(dtype)], antiquant_offset=[o.to(dtype)], group_type=0, split_item=3)
+    got = npu_emulation.npu_grouped_matmul([x], [w], group_list=torch.tensor(counts), group_list_type=1, **kw)[0]
+    cum = npu_emulation.npu_grouped_matmul([x], [w], group_list=torch.tensor(counts).cumsum(0), group_list_type=0,
+                                           **kw)[0]
+    assert got.dtype == dtype and got.shape == (sum(counts), n) and torch.equal(got, cum)
+    start = 0
+    for (codes, scales, zeros), c in zip(experts, counts):
+        rows = x[start:start + c]
+        assert torch.equal(got[start:start + c], REFERENCE.w4a16_linear(rows, REFERENCE.w4a16_prepare(codes, scales,
+                                                                                                        zeros)))
+        gs = k // scales.shape[1]
+        wd = (codes.double() - zeros.double().repeat_interleave(gs, 1)) * scales.double().repeat_interleave(gs, 1)
+        plain = rows.double() @ wd.t()
+        ulp = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -11
+        assert ((got[start:start + c].double() - plain).abs() <= plain.abs() * ulp + 1e-6).all()
+        start += c
+    eye = torch.eye(k, dtype=dtype)
+    read = npu_emulation.npu_grouped_matmul([eye.repeat(4, 1)], [w], group_list=torch.full((4,), k), group_list_type=1,
+                                            **kw)[0]
+    for e, (codes, scales, zeros) in enumerate(experts):
+        gs = k // scales.shape[1]
+        wd = (codes.float() - zeros.repeat_interleave(gs, 1)) * scales.repeat_interleave(gs, 1)
+        assert torch.equal(read[e * k:(e + 1) * k].t(), wd.to(dtype))
+
+
+def test_the_emulated_int4_grouped_matmul_refuses_what_the_docs_rule_out():
+    experts = [_int4_expert(e, 16, 32, 16, seed=1) for e in range(2)]
+    w, s, o = _documented_int4_weights(experts)
+    x = torch.zeros(3, 32, dtype=torch.bfloat16)
+    kw = dict(group_type=0, split_item=3)
+    ok = dict(antiquant_scale=[s.bfloat16()], antiquant_offset=[o.bfloat16()], group_list=torch.tensor([1, 2]),
+              group_list_type=1)
+    npu_emulation.npu_grouped_matmul([x], [w], **ok, **kw)
+    for bad, match in ((dict(group_list=torch.tensor([1, 1])), "does not split"),           # off by one
+                       (dict(group_list=torch.tensor([2, 2]), group_list_type=0), "does not split"),
+                       (dict(antiquant_scale=[s.half()]), "x's dtype"),
+                       (dict(antiquant_offset=[o[:, 0].bfloat16()]), "shape and dtype"),       # per channel
+                       (dict(antiquant_scale=[torch.zeros(2, 3, 16, dtype=torch.bfloat16)],
+                             antiquant_offset=[torch.zeros(2, 3, 16, dtype=torch.bfloat16)]), "divide K")):
+        with pytest.raises(AssertionError, match=match):
+            npu_emulation.npu_grouped_matmul([x], [w], **{**ok, **bad}, **kw)
+    with pytest.raises(AssertionError, match="length cannot be 1"):
+        npu_emulation.npu_grouped_matmul([x], [w[:1]], antiquant_scale=[s[:1].bfloat16()],
+                                         antiquant_offset=[o[:1].bfloat16()], group_list=torch.tensor([3]),
+                                         group_list_type=1, **kw)
+
+
+def _fits(t: torch.Tensor, dtype) -> bool:
+    return torch.equal(t.to(dtype).float(), t.float())
+
+
+@pytest.mark.parametrize("name", list(W4A16_MOE))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_npu_w4a16_moe_runs_the_grouped_antiquant_op_and_is_the_documented_composition(ckpts, name, dtype):
+    """W4A16 experts stacked once for npu_grouped_matmul (the per-expert modules view the stacks), run by it
+    (no npu_weight_quant_batchmatmul per expert): with scales representable in the model dtype the output is
+    the documented composition of the reference's expert GEMMs bit for bit, else within a rounding of it (the
+    scales rounded once to the dtype: GPTQ's fp16 scales in a bf16 model); rows alone and reversed equal the
+    batch's."""
+    ckpt = ckpts.get(name, W4A16_MOE[name][0], "tiny-moe", **W4A16_MOE[name][1])
+    calls = _Calls()
+    npu = kernel_set(calls)
+    ref_block, npu_block = moe_block(ckpt, REFERENCE, dtype), moe_block(ckpt, npu, dtype)
+    packed = npu_block.moe_weights
+    assert isinstance(packed, NpuExperts) and packed.kind == "w4a16" and not packed.quant
+    assert packed.w13.dtype == torch.int32 and packed.w13.shape == (8, 64, 64 // 8) and packed.w2.shape == (8, 32, 8)
+    assert packed.s13.shape == packed.o13.shape and packed.s13.shape[-1] == 64 and packed.s2.shape[-1] == 64
+    for e, (gate_up, down) in enumerate(npu_block.expert_pairs):      # views of the stacks: held once
+        assert [t.data_ptr() for t in gate_up.prepared[:3]] == [packed.w13[e].data_ptr(), packed.s13[e].data_ptr(),
+                                                                 packed.o13[e].data_ptr()]
+        assert down.prepared[0].data_ptr() == packed.w2[e].data_ptr() and down.prepared[4] is None
+    x = _hidden(11, dtype, seed=5)
+    with torch.inference_mode():
+        ids, w = route(ref_block.gate.forward(x), 2, True)
+        calls.names.clear()
+        got = npu.moe_experts(x, ids, w, packed)
+        assert calls.names == ["npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_swiglu", "npu_grouped_matmul",
+                               "npu_moe_finalize_routing"]
+        documented = _documented(x, ids, w, ref_block.expert_pairs)
+        solo = torch.cat([npu.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], packed) for i in range(4)])
+        flipped = npu.moe_experts(x.flip(0), ids.flip(0), w.flip(0), packed).flip(0)
+    assert got.dtype == dtype and got.abs().sum() > 0
+    assert torch.equal(solo, got[:4]) and torch.equal(flipped, got)
+    if _fits(packed.s13, dtype) and _fits(packed.s2, dtype):
+        assert torch.equal(got, documented)
+    else:
+        assert name.startswith("tiny-moe-gptq") and dtype == torch.bfloat16    # fp16 scales in a bf16 model
+        ulp = documented.float().abs().max() * 2 ** -8
+        assert not torch.equal(got, documented) and (got.float() - documented.float()).abs().max() <= 4 * ulp
+
+
+def test_npu_w4a16_moe_refuses_float32_naming_the_dtype(ckpts):
+    block = moe_block(ckpts.get("tiny-moe-w4a16-asym", "w4a16", "tiny-moe", symmetric=False), NPU, torch.float32)
+    assert isinstance(block.moe_weights, NpuExperts)
+    with pytest.raises(ValueError, match="bfloat16 or float16.*float32"):
+        block.forward(_hidden(2, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_act_order_w4a16_experts_keep_the_composed_path_over_the_dense_op(ckpts, dtype):
+    """GPTQ desc_act experts (a perm per expert): npu_grouped_matmul takes no permutation of x, so they stay
+    per expert (moe_weights returns the pairs), each through npu_weight_quant_batchmatmul with x gathered by its
+    perm: the composed path of the reference GEMMs' bits where the fp16 scales fit (fp16), rows alone the
+    batch's; gate and up with their own perms (two modules) too."""
+    from backend_lib.kernels.moe import grouped_moe
+
+    ckpt = ckpts.get("tiny-moe-gptq-descact", "gptq", "tiny-moe", group_size=16, desc_act=True)
+    calls = _Calls()
+    npu = kernel_set(calls)
+    block, ref_block = moe_block(ckpt, npu, dtype), moe_block(ckpt, REFERENCE, dtype)
+    assert block.moe_weights is block.expert_pairs
+    assert all(g.prepared[4] is not None and d.prepared[4] is not None for g, d in block.expert_pairs)
+    x = _hidden(6, dtype, seed=6)
+    with torch.inference_mode():
+        ids, w = route(ref_block.gate.forward(x), 2, True)
+        calls.names.clear()
+        got = npu.moe_experts(x, ids, w, block.moe_weights)
+        assert set(calls.names) == {"npu_weight_quant_batchmatmul", "npu_swiglu"}
+        want = grouped_moe(npu, x, ids, w, ref_block.expert_pairs)      # the reference GEMMs, the same combine
+        solo = torch.cat([npu.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], block.moe_weights) for i in range(6)])
+    assert torch.equal(solo, got) and got.abs().sum() > 0
+    if dtype == torch.float16:
+        assert torch.equal(got, want)
+    own = moe_block(ckpts.get("tiny-moe-gptq-descact-own-perms", "gptq", "tiny-moe", group_size=16, desc_act=True,
+                              shared_perm=False), NPU, dtype)
+    assert own.moe_weights is own.expert_pairs
+    with torch.inference_mode():
+        assert own.forward(x).abs().sum() > 0

@@ -3,7 +3,9 @@ through the emulations written from the ops' documented semantics (tests/npu_emu
 
 Bits are compared: with scales representable in the model dtype (the op takes antiquant_scale in x's dtype) and
 integer zero points, the documented dequantization (q + (8 - zero)) * scale is the reference's (code - zero) *
-scale, and the emulation sums each row as the reference does (fp32 matrix-vector)."""
+scale, and the emulation sums each row as the reference does (fp32 matrix-vector). A W4A16 MoE's experts run
+npu_grouped_matmul's antiquant form (kernels/npu/moe.py; tests/test_moe_npu.py pins its bits): here the whole
+engine on it."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 import npu_emulation
 from backend_lib.kernels import REFERENCE
 from backend_lib.kernels.npu import kernel_set
+from backend_lib.kernels.npu.moe import NpuExperts
 from backend_lib.layers.moe import route
 from moe_helpers import moe_block
 
@@ -72,7 +75,8 @@ def test_w4a16_refuses_what_int4pack_cannot_hold():
 
 @pytest.fixture(scope="module")
 def moe_w4a16_ckpt(ckpts):
-    return ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe", group_size=32, symmetric=False)
+    # the name other modules build with these options (a name is built once per session, with its first options)
+    return ckpts.get("tiny-moe-w4a16-asym", "w4a16", "tiny-moe", symmetric=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -80,6 +84,7 @@ def test_npu_w4a16_moe_equals_the_reference_moe(moe_w4a16_ckpt, dtype):
     ref_block, npu_block = moe_block(moe_w4a16_ckpt, REFERENCE, dtype), moe_block(moe_w4a16_ckpt, NPU, dtype)
     prep = npu_block.expert_pairs[0][0].prepared
     assert len(prep) == 5 and prep[0].dtype == torch.int32                # the npu set's int4pack form
+    assert isinstance(npu_block.moe_weights, NpuExperts) and npu_block.moe_weights.kind == "w4a16"
     x = (torch.randn(9, 64, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
     with torch.inference_mode():
         ids, w = route(ref_block.gate.forward(x), 2, True)
@@ -88,7 +93,8 @@ def test_npu_w4a16_moe_equals_the_reference_moe(moe_w4a16_ckpt, dtype):
         solo = torch.cat([NPU.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], npu_block.moe_weights)
                           for i in range(3)])
     assert torch.equal(solo, got[:3]) and got.abs().sum() > 0
-    # the experts' GEMMs are the reference's bits; SwiGLU is npu_swiglu (one rounding, the reference rounds silu)
+    # the experts' GEMMs are the reference's bits (npu_grouped_matmul's antiquant form); SwiGLU is npu_swiglu
+    # (one rounding, the reference rounds silu) and finalize_routing sums in fp32 (tests/test_moe_npu.py: bits)
     ulp = ref.float().abs().max() * (2 ** -8 if dtype == torch.bfloat16 else 2 ** -11)
     assert (got.float() - ref.float()).abs().max() <= 4 * ulp
 
@@ -104,6 +110,8 @@ def test_engine_greedy_with_kernels_npu_gives_the_reference_ids_on_a_w4a16_moe(m
     eng = make_engine(moe_w4a16_ckpt, kernels="npu", dtype="bfloat16")
     ref = make_engine(moe_w4a16_ckpt, kernels="reference", dtype="bfloat16")
     assert loaded
+    sparse = [layer.mlp for layer in eng.runner.model.layers if hasattr(layer.mlp, "moe_weights")]
+    assert sparse and all(isinstance(m.moe_weights, NpuExperts) and m.moe_weights.kind == "w4a16" for m in sparse)
     prompts = [eng.tokenizer.encode(p) for p in ("Hello!", "1, 2, 3, 4,")]
     params = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
     want = [r["output_ids"] for r in ref.generate(prompts, ref.make_params(params))]

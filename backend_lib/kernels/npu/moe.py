@@ -27,34 +27,66 @@ from torch import nn
 
 class NpuExperts(nn.Module):
     """A layer's experts stacked once in npu_grouped_matmul's weight layout [E, K, N]: gate/up [E, H, 2I], down
-    [E, I, H] (int8 with fp32 per-channel scales [E, N], or float with scales None). The per-expert modules keep
-    views of the stacks, so nothing is held twice."""
+    [E, I, H]. kind "a8w8": int8 with fp32 per-channel scales [E, N]; "float": scales None; "w4a16": int4 as
+    npu_convert_weight_to_int4pack packs each expert's [K, N] (int32 [E, K, N / 8]), antiquant scales and offsets
+    (8 - zero) fp32 [E, G, N] per group, [E, N] per channel (G = 1). The per-expert modules keep views of the
+    stacks, so nothing is held twice and the composed path still runs over `pairs`."""
 
-    def __init__(self, pairs, w13, s13, w2, s2):
+    def __init__(self, pairs, kind, w13, s13, w2, s2, o13=None, o2=None):
         super().__init__()
-        self.pairs = pairs
-        self.w13, self.s13, self.w2, self.s2 = w13, s13, w2, s2
-        self.quant = w13.dtype == torch.int8
+        self.pairs, self.kind = pairs, kind
+        self.w13, self.s13, self.w2, self.s2, self.o13, self.o2 = w13, s13, w2, s2, o13, o2
+        self.quant = kind == "a8w8"
+
+
+def _a8w8(prep) -> bool:       # the set's a8w8_prepare: (w^T int8 [K, N], w_scale fp32 [N])
+    return isinstance(prep, tuple) and len(prep) == 2 and prep[0].dtype == torch.int8
+
+
+def _w4a16(prep) -> bool:
+    """The set's w4a16_prepare: (int4pack int32 [K, N / 8], scale fp32 [G, N] | [N], offset, group, perm), without
+    an act-order perm: npu_grouped_matmul takes no permutation of x, and gathering each expanded row by its
+    expert's perm before it would need an int64 index of the rows' shape (4x the bf16 activations), so
+    act-order experts keep the composed path (the dense op per touched expert, x gathered by its perm)."""
+    return isinstance(prep, tuple) and len(prep) == 5 and prep[0].dtype == torch.int32 and prep[4] is None
+
+
+def _stack_w4a16(pairs, gu, dn):
+    if len({(a[0].shape, a[1].shape, a[3]) for a in gu}) != 1 or len({(b[0].shape, b[1].shape, b[3]) for b in dn}) != 1:
+        return pairs
+    w13, s13, o13 = (torch.stack([a[i] for a in gu]) for i in range(3))
+    w2, s2, o2 = (torch.stack([b[i] for b in dn]) for i in range(3))
+    # [E, H, 2I / 8] and [E, I, H / 8]: the int4pack words hold 8 output features each
+    if w13.shape[2] * 8 != 2 * w2.shape[1] or w13.shape[1] != w2.shape[2] * 8:
+        return pairs
+    g13, g2 = gu[0][3], dn[0][3]
+    for e, (g, d) in enumerate(pairs):      # the per-expert modules now view the stacks: one copy of the weights
+        g.prepared = (w13[e], s13[e], o13[e], g13, None)
+        d.prepared = (w2[e], s2[e], o2[e], g2, None)
+    return NpuExperts(pairs, "w4a16", w13, s13, w2, s2, o13, o2)
 
 
 def moe_weights(pairs):
+    """The slot's form of a layer's experts: NpuExperts when every expert is present and all are A8W8, all float
+    of one dtype and shape, or all W4A16 without an act-order perm of one shape and group; otherwise the pairs
+    (the composed path: kernels/moe.py over the set's linear slots)."""
     if not pairs or any(p is None for p in pairs):
         return pairs
-    gu = [p[0].prepared for p in pairs]
-    dn = [p[1].prepared for p in pairs]
-
-    def a8w8(prep):       # the set's a8w8_prepare: (w^T int8 [K, N], w_scale fp32 [N])
-        return isinstance(prep, tuple) and len(prep) == 2 and prep[0].dtype == torch.int8
-
-    if all(a8w8(a) and a8w8(b) for a, b in zip(gu, dn)):
+    gu = [getattr(p[0], "prepared", None) for p in pairs]     # ConcatLinear (own perms per projection): none
+    dn = [getattr(p[1], "prepared", None) for p in pairs]
+    if all(_w4a16(a) and _w4a16(b) for a, b in zip(gu, dn)):
+        return _stack_w4a16(pairs, gu, dn)
+    if all(_a8w8(a) and _a8w8(b) for a, b in zip(gu, dn)):
         if len({a[0].shape for a in gu}) != 1 or len({b[0].shape for b in dn}) != 1:
             return pairs
+        kind = "a8w8"
         w13, s13 = torch.stack([a[0] for a in gu]), torch.stack([a[1] for a in gu])
         w2, s2 = torch.stack([b[0] for b in dn]), torch.stack([b[1] for b in dn])
         views = lambda w, s, e: (w[e], s[e])                                   # noqa: E731
     elif all(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) for a, b in zip(gu, dn)):
         if len({(a.shape, a.dtype) for a in gu}) != 1 or len({(b.shape, b.dtype) for b in dn}) != 1:
             return pairs
+        kind = "float"
         w13, s13 = torch.stack([a.t() for a in gu]), None                     # float [N, K] -> [E, K, N]
         w2, s2 = torch.stack([b.t() for b in dn]), None
         views = lambda w, s, e: w[e].t()                                       # noqa: E731
@@ -64,7 +96,7 @@ def moe_weights(pairs):
         return pairs
     for e, (g, d) in enumerate(pairs):
         g.prepared, d.prepared = views(w13, s13, e), views(w2, s2, e)
-    return NpuExperts(pairs, w13, s13, w2, s2)
+    return NpuExperts(pairs, kind, w13, s13, w2, s2)
 
 
 def route(tnpu, logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
@@ -80,6 +112,9 @@ def fused_moe(tnpu, silu_mul, x: torch.Tensor, topk_ids: torch.Tensor, topk_weig
     t, _ = x.shape
     k = topk_ids.shape[1]
     e = packed.w13.shape[0]
+    if packed.kind == "w4a16" and x.dtype not in (torch.bfloat16, torch.float16):    # the op's documented x dtypes
+        raise ValueError(f"kernels npu: w4a16 experts run in bfloat16 or float16 (npu_grouped_matmul's antiquant "
+                         f"form), not {x.dtype}: set dtype")
     ids, perm = topk_ids.sort(dim=1, stable=True)         # each token's experts ascending: the combine's order
     weights = topk_weights.gather(1, perm).to(x.dtype)
     ids32 = ids.to(torch.int32)
@@ -94,6 +129,14 @@ def fused_moe(tnpu, silu_mul, x: torch.Tensor, topk_ids: torch.Tensor, topk_weig
         q, s = tnpu.npu_dynamic_quant(silu_mul(gate_up))
         acc = tnpu.npu_grouped_matmul([q], [packed.w2], output_dtype=torch.int32, **gmm)[0]
         y = ((acc.float() * s[:, None]) * packed.s2.index_select(0, expert_of)).to(x.dtype)
+    elif packed.kind == "w4a16":
+        # the op takes antiquant_scale / offset in x's dtype: exact when the checkpoint's scales are
+        # representable in it, otherwise rounded once to it (the dense W4A16 slot's condition)
+        dt = x.dtype
+        gate_up = tnpu.npu_grouped_matmul([expanded], [packed.w13], antiquant_scale=[packed.s13.to(dt)],
+                                          antiquant_offset=[packed.o13.to(dt)], output_dtype=dt, **gmm)[0]
+        y = tnpu.npu_grouped_matmul([silu_mul(gate_up)], [packed.w2], antiquant_scale=[packed.s2.to(dt)],
+                                    antiquant_offset=[packed.o2.to(dt)], output_dtype=dt, **gmm)[0]
     else:
         gate_up = tnpu.npu_grouped_matmul([expanded], [packed.w13], **gmm)[0]
         y = tnpu.npu_grouped_matmul([silu_mul(gate_up)], [packed.w2], **gmm)[0]
