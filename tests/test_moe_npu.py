@@ -125,6 +125,7 @@ W4A16_MOE = {   # name: (format, options) of tiny-moe checkpoints (names shared 
     "tiny-moe-w4a16-g16-asym": ("w4a16", dict(group_size=16, symmetric=False)),
     "tiny-moe-w4a16-channel": ("w4a16", dict(group_size=None)),             # per channel: antiquant_scale [E, N]
     "tiny-moe-gptq-g32": ("gptq", dict(group_size=32)),                     # fp16 scales, zeros 1..16 (v1)
+    "tiny-moe-awq-g32": ("awq", dict(group_size=32)),                       # fp16 scales, zeros
 }
 
 
@@ -257,7 +258,7 @@ def test_npu_w4a16_moe_runs_the_grouped_antiquant_op_and_is_the_documented_compo
     if _fits(packed.s13, dtype) and _fits(packed.s2, dtype):
         assert torch.equal(got, documented)
     else:
-        assert name.startswith("tiny-moe-gptq") and dtype == torch.bfloat16    # fp16 scales in a bf16 model
+        assert W4A16_MOE[name][0] in ("gptq", "awq") and dtype == torch.bfloat16     # fp16 scales, bf16 model
         ulp = documented.float().abs().max() * 2 ** -8
         assert not torch.equal(got, documented) and (got.float() - documented.float()).abs().max() <= 4 * ulp
 

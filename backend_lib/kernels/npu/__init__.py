@@ -12,8 +12,9 @@
   attention       npu_fused_infer_attention_score over the block table (TND queries, paged BSH keys and
                   values, sparse_mode 3: causal aligned to the end of each sequence's context)
   MoE             npu_moe_gating_top_k_softmax, npu_moe_init_routing_v2, npu_grouped_matmul,
-                  npu_moe_finalize_routing over each layer's experts stacked once (moe.py); W4A16 experts: the
-                  grouped default (kernels/moe.py) over this set's W4A16 linear, not yet npu_grouped_matmul
+                  npu_moe_finalize_routing over each layer's experts stacked once (moe.py): A8W8, float and
+                  W4A16 (npu_grouped_matmul's antiquant form over the int4pack words); act-order W4A16 experts:
+                  the grouped default (kernels/moe.py) over this set's W4A16 linear (the op permutes no x)
   q/k-norm + RoPE, float linear, TurboQuant: the reference set (pure PyTorch, runs on an NPU)
 
 It has NOT run on an NPU. tests/test_kernels_npu.py runs it against emulations of each op written from

@@ -5,10 +5,15 @@
   dispatch  npu_moe_init_routing_v2: the (token, expert) pairs sorted by expert (each token's experts first put
             in ascending order, the combine's order), the rows gathered (and, A8W8, quantized per token:
             quant_mode 1, the reference's rule), the pairs per expert (count mode), the gather index back
-  experts   npu_grouped_matmul over one stacked weight [E, K, N] split along M by those counts: A8W8 to int32
-            (exact), dequantized here as the reference does ((acc * s) * w_s, fp32, one rounding); SwiGLU by the
-            set's silu_mul (npu_swiglu); the down projection's rows re-quantized by npu_dynamic_quant; float
-            experts in their dtype
+  experts   npu_grouped_matmul over one stacked weight [E, K, N] split along M by those counts (group_list_type
+            1): A8W8 to int32 (exact), dequantized here as the reference does ((acc * s) * w_s, fp32, one
+            rounding); SwiGLU by the set's silu_mul (npu_swiglu); the down projection's rows re-quantized by
+            npu_dynamic_quant; float experts in their dtype; W4A16 experts in the op's weight-only form (its
+            formula 4, y = x @ ((w + antiquant_offset) * antiquant_scale)): w the codes - 8 as int4, each expert's
+            [K, N] packed by npu_convert_weight_to_int4pack (int32 [E, K, N / 8], the dense W4A16 slot's words,
+            stacked), offset = 8 - zero, both [E, G, N] per group ([E, N] per channel), cast to the model dtype
+            as the op takes them. Act-order (GPTQ desc_act) W4A16 experts are not stacked: the op has no
+            permutation of x (see _w4a16); they run the composed path, x gathered by each expert's perm
   combine   npu_moe_finalize_routing (dropless, row-ordered index: drop_pad_mode 2): each token's k rows times
             its router weights, summed in the token's ascending expert order
 
@@ -17,6 +22,9 @@ routing ids, the int8 rows, the int32 GEMMs and their dequantization are the ref
 npu_swiglu (one rounding of fp32 math, the reference rounds silu first: the dense set's difference too), and
 finalize_routing documents a sum of the k products without intermediate roundings (the reference rounds each
 product and each add to the model dtype): so the bf16 output is within a rounding of the reference, not its bits.
+W4A16: each expert's GEMM rows are the reference's W4A16 bits where the checkpoint's scales are representable in
+the model dtype (bf16 scales in bf16, and in fp16 above its subnormals; GPTQ's fp16 scales in fp16; in bf16 they
+are rounded once), and the output is then the documented composition of the reference GEMMs bit for bit.
 Every op is row-wise, so a token's output does not depend on its batch (on an NPU: if its kernels are).
 """
 from __future__ import annotations
