@@ -167,10 +167,7 @@ class EngineConfig:
                 if on:
                     raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} with {name} is not "
                                      "supported yet (use tensor_parallel_size: 1)")
-        spec = self.speculative   # parsing is the validation: errors name speculative_config.<key>
-        if spec is not None and spec.method == "eagle3" and self.tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config.method: eagle3 with tensor_parallel_size "
-                             f"{self.tensor_parallel_size} is not supported yet (use tensor_parallel_size: 1)")
+        _ = self.speculative   # parsing is the validation: errors name speculative_config.<key>
         return self
 
     @classmethod

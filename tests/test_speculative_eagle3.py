@@ -143,9 +143,10 @@ def test_the_engine_refuses_at_load_naming_the_key(heads, bf16_ckpt):
                         "speculative_config.num_speculative_tokens")):
         with pytest.raises(ValueError, match=key):
             parse_speculative_config(value)
-    with pytest.raises(ValueError, match="speculative_config.method"):
-        EngineConfig.from_params({"checkpoint": str(bf16_ckpt), "tensor_parallel_size": "2",
-                                  "speculative_config": spec(heads["random"])})
+    # tensor parallel is no refusal (tests/test_tensor_parallel.py runs EAGLE-3 at TP = 2)
+    tp = EngineConfig.from_params({"checkpoint": str(bf16_ckpt), "tensor_parallel_size": "2",
+                                   "speculative_config": spec(heads["random"])})
+    assert tp.tensor_parallel_size == 2 and tp.speculative.method == "eagle3"
     # a relative head folder resolves against the model's folder, as the checkpoint does
     cfg = EngineConfig.from_params({"checkpoint": str(bf16_ckpt), "speculative_config": spec("random")},
                                    base_dir=str(heads["root"]))

@@ -208,6 +208,78 @@ def test_speculative_decoding_and_structured_output_at_tp2_give_tp1s_ids(a8w8_ck
         two.runner.tp.close()
 
 
+EAGLE_PROMPTS = LOOPING + [ENGINE_PROMPTS[0]]
+
+
+def eagle3_ids(engine) -> list[list[int]]:
+    """Greedy and seeded ids of EAGLE_PROMPTS, batched and each alone (equal)."""
+    params = [engine.make_params({"temperature": 0, "max_tokens": 16, "ignore_eos": True}),
+              engine.make_params({"temperature": 0.7, "seed": 5, "max_tokens": 16, "ignore_eos": True}),
+              engine.make_params({"temperature": 0, "max_tokens": 16, "ignore_eos": True})]
+    jobs = [(p, q) for p in EAGLE_PROMPTS for q in params[:2]]
+    return run_jobs(engine, jobs)
+
+
+def eagle3_watched(engine):
+    """eagle3_ids, and what the head was given and gave: each observe's (prompt, start, aux rows) and each
+    propose's drafts, in order."""
+    proposer, seen, drafts = engine.spec.proposer, [], []
+    observe, propose = proposer.observe, proposer.propose
+
+    def watch_observe(seq, state, start, rows):
+        seen.append((tuple(seq.prompt_ids), start, rows.clone()))
+        return observe(seq, state, start, rows)
+
+    def watch_propose(rows):
+        out = propose(rows)
+        drafts.append([(tuple(r.seq.prompt_ids), list(d)) for r, d in zip(rows, out)])
+        return out
+    proposer.observe, proposer.propose = watch_observe, watch_propose
+    return eagle3_ids(engine), seen, drafts
+
+
+def test_eagle3_at_tp2_gives_speculation_offs_ids_and_tp1s_aux_states_and_drafts(a8w8_ckpt, a8w8_engine, tmp_path,
+                                                                                     caplog):
+    """EAGLE-3 at TP = 2 (the head on rank 0, whole; the aux states rank 0's replicated residual stream; the
+    target's embedding rows gathered for the head): the ids equal speculation off's, greedy and seeded, alone and
+    batched, and the aux rows the head is fed (prefill chunks and k + 1 verification rows) and every draft it makes
+    equal TP = 1 EAGLE-3's bit for bit (A8W8: TP = N computes TP = 1's bits). The copy head (aux layer 0 through
+    fc, no embed_tokens: the target's embedding) has its drafts accepted."""
+    import torch
+
+    from backend_lib.parallel.runtime import RankFailure
+    from backend_lib.tools.make_eagle3_head import build as build_head
+
+    head = build_head(a8w8_ckpt, tmp_path / "copy", copy=True)
+    cfg = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0})
+    want = eagle3_ids(a8w8_engine)
+    one = make_engine(a8w8_ckpt, dtype="bfloat16", speculative_config=cfg)
+    got1, seen1, drafts1 = eagle3_watched(one)
+    stats1 = one.spec.stats()
+    del one
+    assert got1 == want and stats1["spec_num_accepted_tokens"] > 0, stats1
+    two = make_engine(a8w8_ckpt, dtype="bfloat16", tensor_parallel_size=2, num_threads=1, speculative_config=cfg)
+    try:
+        got2, seen2, drafts2 = eagle3_watched(two)
+        assert got2 == want
+        assert [(p, s) for p, s, _ in seen2] == [(p, s) for p, s, _ in seen1]
+        assert all(torch.equal(a[2], b[2]) for a, b in zip(seen2, seen1))
+        assert drafts2 == drafts1 and two.spec.stats() == stats1
+        assert two.block_manager.num_used == 0 and not two._seqs
+        # a rank lost while the head embeds (before the step's forward): no drafts, then the step fails naming it
+        two.add_request("r", EAGLE_PROMPTS[0], two.make_params({"temperature": 0, "max_tokens": 8}))
+        two.step()                             # the prompt; the next step drafts
+        two.runner.tp.procs[0].kill()
+        two.runner.tp.procs[0].wait()
+        with pytest.raises(RankFailure, match="rank 1 exited with -9") as info:
+            two.step()
+        (out,) = info.value.outputs
+        assert out.finish_reason == "error" and "rank 1 exited" in out.error
+        assert "EAGLE-3 head failed; 1 row(s) draft nothing" in caplog.text   # its embed met the lost rank first
+    finally:
+        two.runner.tp.close(1.0)
+
+
 def test_a_dead_rank_fails_the_step_and_the_next_ones_naming_it(a8w8_ckpt):
     from helpers import make_engine
 

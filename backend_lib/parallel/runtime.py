@@ -6,6 +6,8 @@ the head and samples.
 
     rank 0                                   rank r (python -m backend_lib.parallel.runtime, env rendezvous)
     ModelRunner -> ShardedModel(...)  ──op──▶ worker_loop: FORWARD -> model(ids, positions, cache, meta)
+                   ShardedModel.forward_aux ──▶          FORWARD (the same: rank 0 reads the aux states)
+                   ShardedModel.embed ─────▶            EMBED -> model.embed(ids) (an EAGLE-3 head's rows)
                    ShardedKVCache.copy_page ─▶           COPY_PAGE -> cache.copy_page(src, dst)
                    close()            ──────▶           STOP -> exit
 
@@ -36,7 +38,7 @@ from .group import TPGroup, backend_for, shm_slot_bytes
 
 log = logging.getLogger(__name__)
 
-FORWARD, COPY_PAGE, STOP, LORA_META, LORA_DELTA, LORA_DROP, LOGITS = 1, 2, 3, 4, 5, 6, 7
+FORWARD, COPY_PAGE, STOP, LORA_META, LORA_DELTA, LORA_DROP, LOGITS, EMBED = 1, 2, 3, 4, 5, 6, 7, 8
 MODEL_TIMEOUT_S = float(os.environ.get("QWEN3_TP_TIMEOUT_S", "120"))   # a hung rank fails the step after this
 IDLE_TIMEOUT = datetime.timedelta(days=365)                           # the control group waits for the next step
 
@@ -70,17 +72,38 @@ class ShardedModel:
         self._shipper = LoraShipper(LoraSharder(self._model.cfg_full, g, kernels, self._model.norm.device))
 
     def __call__(self, input_ids, positions, kv_cache, meta):
+        return self._step(lambda: self._model(input_ids, positions, kv_cache, meta), input_ids, positions, meta)
+
+    def forward_aux(self, input_ids, positions, kv_cache, meta, aux_layers):
+        """[spec] EAGLE-3: (hidden, the aux layers' states [T, len * hidden]) of a step. The workers run the step's
+        plain forward (the same message: forward_aux changes no bit of it); the aux states are rank 0's own, read
+        from its Python loop: the residual stream entering a layer is the sum of the previous layers' all-reduced
+        outputs and the gathered embedding, replicated on every rank, so rank 0's rows are every rank's."""
+        return self._step(lambda: self._model.forward_aux(input_ids, positions, kv_cache, meta, aux_layers),
+                          input_ids, positions, meta)
+
+    def _step(self, run, input_ids, positions, meta):
         self._sup.check()
         try:
             if self._lora_ctx is None:
                 send_step(self._ch, input_ids, positions, meta)
-                return self._model(input_ids, positions, kv_cache, meta)
+                return run()
             send = lambda op, a=0, b=0, ts=(): self._ch.send(op, a, b, ts)  # noqa: E731
             batch, lora = self._shipper.messages(self._lora_ctx.batch, send)
             send_step(self._ch, input_ids, positions, meta, lora)
             with self._lora_ctx.use(batch):
-                return self._model(input_ids, positions, kv_cache, meta)
+                return run()
         except RuntimeError as exc:     # a collective failed: a rank is gone or hung
+            raise self._sup.failure(exc) from exc
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[spec] The ids' embedding rows, whole (an EAGLE-3 head without embed_tokens reads the target's): every
+        rank looks up the ids of its vocabulary rows and they are gathered (parallel/vocab.py), TP = 1's rows."""
+        self._sup.check()
+        try:
+            self._ch.send(EMBED, tensors=(input_ids,))
+            return self._model.embed(input_ids)
+        except RuntimeError as exc:
             raise self._sup.failure(exc) from exc
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -341,6 +364,8 @@ def worker_loop(model, cache, ch: StepChannel, lora=None) -> None:
                         model(ids, positions, cache, meta)
             elif op == LOGITS:
                 model.logits(ts[0])
+            elif op == EMBED:       # [spec] an EAGLE-3 head's embedding rows (ShardedModel.embed)
+                model.embed(ts[0])
             elif op == COPY_PAGE:
                 cache.copy_page(a, b)
             elif op == LORA_META:

@@ -37,6 +37,11 @@ Exactness does not depend on the head: drafts are only proposals, verified by th
 output is the output of plain decoding whatever the head computes; the head only decides how many drafts are
 accepted. It runs in the engine's dtype through torch (no batch-invariance needed); its KV is a per-sequence
 tensor cache of the positions the target fed it.
+
+Tensor parallel (tensor_parallel_size > 1): the head runs on rank 0 alone, unsharded, where the proposer and
+the sampler run; the aux states are rank 0's own (after each row-parallel all-reduce the residual stream is
+replicated on every rank), and the target's embedding rows for a head without embed_tokens are gathered from
+the ranks that hold them (parallel/runtime.py ShardedModel.forward_aux / embed).
 """
 from __future__ import annotations
 
@@ -442,10 +447,13 @@ class Eagle3Method:
     @classmethod
     def build(cls, spec_cfg, ctx) -> "Eagle3Method":
         """From spec.decoder's ProposerContext: the head loaded for the target, and the target's runner told
-        which layers to expose (its steps with rows of speculating sequences then return them)."""
+        which layers to expose (its steps with rows of speculating sequences then return them). At
+        tensor_parallel_size > 1 the head is rank 0's, whole (it is not sharded): the runner's model is then
+        parallel/runtime.py's ShardedModel, whose forward_aux gives rank 0's aux states (replicated on every rank)
+        and whose embed gathers the rows from the ranks that hold them."""
         runner = ctx.runner
-        if runner is None or getattr(runner, "tp", None) is not None:
-            raise Eagle3Error("speculative_config.method: eagle3 needs the target's single-process runner")
+        if runner is None:
+            raise Eagle3Error("speculative_config.method: eagle3 needs the target's runner")
         head = load_eagle3_head(spec_cfg.model, ctx.model_config, ctx.dtype, ctx.device, embed=runner.model.embed,
                                 kernels=ctx.kernels)
         runner.aux_layers = head.aux_layers
@@ -468,7 +476,7 @@ class Eagle3Method:
         step and the requests go on (verification needs no drafts)."""
         try:
             return self._propose(rows)
-        except Exception:
+        except Exception:   # (a tensor-parallel rank lost in the target's embed: the step's forward then fails)
             log.exception("EAGLE-3 head failed; %d row(s) draft nothing this step", len(rows))
             for r in rows:
                 r.state.reset()
