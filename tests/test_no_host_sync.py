@@ -114,6 +114,22 @@ def test_device_decode_metadata_equals_the_host_construction():
     assert meta.query_start_loc.tolist() == [0, 1, 2] and meta.seq_lens.tolist() == [18, 41]
     assert meta.slot_mapping.dtype == torch.int64 and meta.seq_lens.dtype == torch.int32
 
+    # the CPU's construction from the host's lists: the same tensors (values, dtypes), random tables and lengths
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        b = int(torch.randint(1, 6, (1,), generator=g))
+        pages = [torch.randperm(64, generator=g)[:int(torch.randint(1, 5, (1,), generator=g))].tolist() for _ in range(b)]
+        cached = [int(torch.randint(0, 16 * len(p), (1,), generator=g)) for p in pages]
+        tables = torch.zeros((b, max(map(len, pages))), dtype=torch.int32)
+        for i, p in enumerate(pages):
+            tables[i, :len(p)] = torch.tensor(p, dtype=torch.int32)
+        want, want_pos = AttentionMetadata.for_decode(tables, torch.tensor(cached, dtype=torch.int32), 16)
+        got, got_pos = AttentionMetadata.for_decode_host(pages, cached, tables, 16)
+        assert torch.equal(got_pos, want_pos) and got_pos.dtype == want_pos.dtype
+        for f in ("slot_mapping", "block_tables", "query_start_loc", "seq_lens"):
+            x, y = getattr(got, f), getattr(want, f)
+            assert torch.equal(x, y) and x.dtype == y.dtype, f
+
 
 class _DeviceToHost(TorchDispatchMode):
     """Counts the ops that take a CUDA tensor and give a CPU one (device-to-host copies)."""

@@ -102,7 +102,7 @@ def test_plain_greedy_rows_take_the_first_maximum_in_either_form():
 
 
 def test_greedy_picks_and_nonfinite_rows_match_the_plain_torch_rules():
-    from backend_lib.sampling.sampler import greedy_picks, nonfinite_rows
+    from backend_lib.sampling.sampler import greedy_picks, nonfinite_rows, plain_greedy_picks
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 151936, generator=g)
@@ -116,3 +116,12 @@ def test_greedy_picks_and_nonfinite_rows_match_the_plain_torch_rules():
     assert greedy_picks(x, rows) == x[rows].argmax(dim=-1).tolist()
     assert greedy_picks(x[:4], rows) == x[:4].argmax(dim=-1).tolist()
     assert nonfinite_rows(x) == (~torch.isfinite(x).all(dim=-1)).nonzero().flatten().tolist() == [2, 4, 5]
+    # the plain-greedy step's one numpy pass: the same picks (torch.argmax's rule) on the finite rows, the same bad rows
+    picks, bad = plain_greedy_picks(x)
+    assert bad == [2, 4, 5]
+    assert [picks[b] for b in (0, 1, 3)] == x[[0, 1, 3]].argmax(dim=-1).tolist() and picks[1] == 5
+    for value in (float("nan"), float("inf"), float("-inf")):   # each kind alone, anywhere in the row
+        for col in (0, 77_000, 151_935):
+            y = x[:1].clone()
+            y[0, col] = value
+            assert plain_greedy_picks(y)[1] == [0], (value, col)

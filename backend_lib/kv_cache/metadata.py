@@ -37,3 +37,15 @@ class AttentionMetadata:
                    query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=block_tables.device),
                    seq_lens=(positions + 1).to(torch.int32))
         return meta, positions
+
+    @classmethod
+    def for_decode_host(cls, tables: list[list[int]], context: list[int], block_tables: torch.Tensor,
+                        page_size: int) -> tuple["AttentionMetadata", torch.Tensor]:
+        """for_decode's integers computed from the host's lists (each sequence's pages and tokens cached; no padding
+        rows), for a step whose tensors stay on the CPU: four small tensors instead of for_decode's ~10 tensor ops
+        (~0.1 ms a batch-1 step on the 2-core VMs here). block_tables: `tables` already as the padded [B, P] tensor."""
+        slots = [t[c // page_size] * page_size + c % page_size for t, c in zip(tables, context)]
+        meta = cls(slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=block_tables,
+                   query_start_loc=torch.arange(len(context) + 1, dtype=torch.int32),
+                   seq_lens=torch.tensor([c + 1 for c in context], dtype=torch.int32))
+        return meta, torch.tensor(context, dtype=torch.int64)

@@ -40,7 +40,7 @@ from .structured import apply_mask
 log = logging.getLogger(__name__)
 
 __all__ = ["GRAMMAR_BLOCKED", "Sample", "SampleError", "Sampler", "SamplingMetadata", "greedy_picks",
-           "nonfinite_rows"]
+           "nonfinite_rows", "plain_greedy_picks"]
 
 
 @dataclass
@@ -64,6 +64,19 @@ def greedy_picks(logits: torch.Tensor, rows: list[int]) -> list[int]:
     CPU argmax over 151,936 fp32 logits took ~0.2-0.3 ms a row here, numpy's ~7 us."""
     x = logits.detach().cpu().numpy()
     return [int(i) for i in np.argmax(x[rows] if len(rows) != x.shape[0] else x, axis=-1)]
+
+
+def plain_greedy_picks(logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(each row's first index of its maximum, the rows holding a NaN or an infinity) of fp32 [B, V] CPU logits, in
+    two single-threaded numpy passes: the argmax (numpy's maximum is a row's first NaN, so its value is NaN there,
+    and +inf where the row holds one), then the minimum (-inf where the row holds one). The rules of greedy_picks
+    and nonfinite_rows, for a step whose rows only argmax: ~0.1 ms a step less than torch's sum, whose parallel
+    pass re-reads the logits the other core's share of the head just wrote (0.6B demo, 2-core AVX-512 VM)."""
+    x = logits.detach().numpy()
+    idx = np.argmax(x, axis=-1)
+    top = np.take_along_axis(x, idx[:, None], axis=-1)[:, 0]
+    bad = ~(np.isfinite(top) & np.isfinite(x.min(axis=-1)))
+    return idx.tolist(), np.flatnonzero(bad).tolist()
 
 
 def _nonfinite_message(row: torch.Tensor) -> str:
@@ -178,9 +191,9 @@ class Sampler:
         """The pipeline's ops a step of plain greedy rows runs, without building its metadata (the commonest
         step: the non-finite check, then the argmax)."""
         out: list[Sample | SampleError | None] = [None] * len(seqs)
-        for b in nonfinite_rows(logits):
+        picks, bad = plain_greedy_picks(logits)
+        for b in bad:
             out[b] = SampleError(_nonfinite_message(logits[b]))
-        picks = greedy_picks(logits, list(range(len(seqs))))
         return [o if o is not None else Sample(t) for o, t in zip(out, picks)]
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
