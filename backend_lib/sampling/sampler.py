@@ -70,8 +70,8 @@ def plain_greedy_picks(logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """(each row's first index of its maximum, the rows holding a NaN or an infinity) of fp32 [B, V] CPU logits, in
     two single-threaded numpy passes: the argmax (numpy's maximum is a row's first NaN, so its value is NaN there,
     and +inf where the row holds one), then the minimum (-inf where the row holds one). The rules of greedy_picks
-    and nonfinite_rows, for a step whose rows only argmax: ~0.1 ms a step less than torch's sum, whose parallel
-    pass re-reads the logits the other core's share of the head just wrote (0.6B demo, 2-core AVX-512 VM)."""
+    and nonfinite_rows, for a step whose rows only argmax: ~0.1 ms a step less than torch's parallel sum right
+    after the head (0.6B demo, 2-core AVX-512 VM: docs/performance.md)."""
     x = logits.detach().numpy()
     idx = np.argmax(x, axis=-1)
     top = np.take_along_axis(x, idx[:, None], axis=-1)[:, 0]
