@@ -19,9 +19,12 @@ A8W8):
   equals silu_mul(gate_up(x)). The down GEMM re-quantizes that row per pair, like the composed down projection.
 - float (bf16 / fp16 / fp32 experts): float_linear_kernel's K blocking (its BLOCK_K, fdot), one tiling for every
   batch, so a row's summation order never depends on the step.
-- W4A16 (packed int4 experts, no act-order perm): each weight tile dequantized in registers exactly as
-  w4a16_kernel does, then the float path with full fp32 products (its tiling, interpreted: w4a16_kernel's
-  BLOCK_K, so the composed path's bits there).
+- W4A16 (packed int4 experts): each weight tile dequantized in registers exactly as w4a16_kernel does, then the
+  float path with full fp32 products (its tiling, interpreted: w4a16_kernel's BLOCK_K, so the composed path's
+  bits there). GPTQ act order (HAS_PERM): the pair's row loaded through its expert's perm, a[row, perm_e[k]]
+  against weight column k, w4a16_kernel's gathered load, so the same products in the same order: gate/up
+  through the expert's gate_up perm (PERM_UP: the up half through its own), down through its perm over the
+  SwiGLU columns. Without HAS_PERM the code is the non-perm kernel's (the same PTX).
 - the router weight: `round(y * w)` in the model dtype (one product of two model-dtype values, as `y * w`),
   then the combine adds each token's k products in ascending expert order, rounding to the model dtype after
   each add (`out = c0; out += c1; ...`). A token's output reads only its own pairs: batch invariant.
