@@ -1,11 +1,12 @@
 """The Triton set's fused MoE (kernels/triton/moe.py, experts.py), through Triton's interpreter on the CPU: the
 pairs sorted by expert and padded to the block, gate/up + SwiGLU and down + router weight as grouped GEMMs, the
 combine in each token's ascending expert order. A8W8 equals the reference and the composed path bit for bit,
-float experts the composed path; a row alone equals its row in any batch; greedy ids through the engine equal
-the reference set's."""
+float and W4A16 experts (act order included) the composed path; a row alone equals its row in any batch; greedy
+ids through the engine equal the reference set's."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"      # before the kernels are defined: they run on CPU tensors
 
@@ -22,6 +23,9 @@ from helpers import make_engine  # noqa: E402
 from moe_helpers import moe_block  # noqa: E402
 
 TRI = get_kernels("cpu", "triton")
+# the Triton set without its packed form: each expert keeps the modules the loader made (its own perms, no views of
+# the stacks) and runs the composed slot over the set's linear slots (w4a16.py's GEMM per expert and projection)
+TRI_COMPOSED = replace(TRI, moe_weights=None)
 
 
 def _hidden(t, dtype, seed=0):
@@ -84,22 +88,57 @@ def test_fused_float_moe_equals_the_composed_path_and_is_batch_invariant(moe_bf1
     torch.testing.assert_close(fused, ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
-def test_the_experts_are_stacked_once_and_int4_experts_keep_the_composed_path(moe_a8w8_ckpt, ckpts):
+def test_the_experts_are_stacked_once(moe_a8w8_ckpt):
     block = moe_block(moe_a8w8_ckpt, TRI, torch.bfloat16)
     packed = block.moe_weights
     assert packed.w13.shape == (8, 64, 64) and packed.w2.shape == (8, 64, 32) and packed.s13.shape == (8, 64)
     for e, (gate_up, down) in enumerate(block.expert_pairs):      # views of the stacks: held once
         assert gate_up.prepared[0].data_ptr() == packed.w13[e].data_ptr()
         assert down.prepared[0].data_ptr() == packed.w2[e].data_ptr()
-    # W4A16 experts with an act-order perm: the composed path, expert by expert over the set's int4 GEMM
-    w4 = moe_block(ckpts.get("tiny-moe-gptq-descact", "gptq", "tiny-moe", group_size=16, desc_act=True), TRI,
-                   torch.bfloat16)
-    assert w4.moe_weights is w4.expert_pairs
-    assert all(g.prepared[0].dtype == torch.uint8 and g.prepared[3] is not None for g, _ in w4.expert_pairs)
-    x = _hidden(6, torch.bfloat16, seed=2)
+
+
+def _descact_ckpt(ckpts, own: bool, **kw):
+    """A tiny GPTQ desc_act MoE: a random act order per expert and projection (gate and up sharing theirs, as GPTQ
+    writes them, or each its own: the loader's ConcatLinear of the two)."""
+    name = "tiny-moe-gptq-descact" + ("-own-perms" if own else "") + "".join(f"-{k}{v}" for k, v in kw.items())
+    return ckpts.get(name, "gptq", "tiny-moe", group_size=16, desc_act=True, **({"shared_perm": False} if own else {}),
+                     **kw)
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["shared-gate-up-perm", "own-perms"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_act_order_w4a16_moe_equals_the_composed_path_and_is_batch_invariant(ckpts, own, dtype):
+    """GPTQ act-order experts stacked once with their perms and gathered in the grouped GEMMs: the bits of the
+    composed slot over the loader's own modules (each expert's projections through w4a16.py's GEMM with their own
+    perms, nothing viewing the stacks), rows alone and reversed the batch's, the reference within fp32 tolerance."""
+    ckpt = _descact_ckpt(ckpts, own)
+    block = moe_block(ckpt, TRI, dtype)
+    packed = block.moe_weights
+    assert isinstance(packed, PackedExperts) and packed.w13.shape == (8, 64, 32) and packed.p2.shape == (8, 32)
+    assert packed.p13.shape == ((8, 2, 64) if own else (8, 64)) and packed.p13.dtype == torch.int32
+    gate_perms = packed.p13[:, 0] if own else packed.p13
+    assert not torch.equal(gate_perms[0], gate_perms[1]) and not torch.equal(packed.p2[0], packed.p2[1])
+    assert not own or not torch.equal(packed.p13[0, 0], packed.p13[0, 1])           # gate's and up's own
+    for e, (gate_up, down) in enumerate(block.expert_pairs):      # views of the stacks: held once
+        gu = list(gate_up.parts) if own else [gate_up]
+        assert [m.prepared[3].data_ptr() for m in gu] == \
+            [(packed.p13[e, j] if own else packed.p13[e]).data_ptr() for j in range(len(gu))]
+        assert gu[-1].prepared[0].data_ptr() == packed.w13[e, 32 if own else 0].data_ptr()
+        assert down.prepared[3].data_ptr() == packed.p2[e].data_ptr()
+    composed = moe_block(ckpt, TRI_COMPOSED, dtype)
+    assert composed.moe_weights is composed.expert_pairs
+    x = _hidden(9, dtype, seed=4)
     with torch.inference_mode():
-        batched = w4.forward(x)
-        assert torch.equal(torch.cat([w4.forward(x[i:i + 1]) for i in range(6)]), batched)
+        ids, w = route(block.gate.forward(x), 2, True)
+        fused = TRI.moe_experts(x, ids, w, packed)
+        assert torch.equal(fused, TRI_COMPOSED.moe_experts(x, ids, w, composed.expert_pairs))
+        assert torch.equal(fused, TRI.moe_experts(x, ids, w, block.expert_pairs))   # the views, composed
+        solo = torch.cat([TRI.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], packed) for i in range(3)])
+        flipped = TRI.moe_experts(x.flip(0), ids.flip(0), w.flip(0), packed).flip(0)
+        ref = REFERENCE.moe_experts(x, ids, w, moe_block(ckpt, REFERENCE, dtype).expert_pairs)
+    assert torch.equal(solo, fused[:3]) and torch.equal(flipped, fused) and fused.abs().sum() > 0
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(fused, ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("fmt,opts", [("w4a16", dict(group_size=32)), ("w4a16", dict(group_size=16, symmetric=False)),
@@ -182,6 +221,24 @@ def test_fused_a8w8_moe_at_ragged_widths_equals_the_reference(dtype):
         assert torch.equal(TRI.moe_experts(x[2:3], ids[2:3], w[2:3], packed), got[2:3])
 
 
+def test_engine_greedy_with_fused_act_order_experts_equals_the_reference_set(ckpts):
+    """The whole GPTQ desc_act MoE model (gate and up with their own perms) through the Triton set (w4a16.py's
+    gathered GEMM for attention, the fused act-order experts): the reference set's greedy ids, two prompts in one
+    batch, and each prompt's ids alone its ids batched. A 3,000-token vocabulary, as the W4A16 engine test."""
+    ckpt = _descact_ckpt(ckpts, True, vocab_size=3000)
+    prompts = [[9, 2047, 13, 1879], [2999, 100, 1500, 7, 42]]
+    ids_of = {}
+    for kernels in ("triton", "reference"):
+        eng = make_engine(ckpt, dtype="bfloat16", kernels=kernels)
+        params = eng.make_params({"temperature": 0, "max_tokens": 3, "ignore_eos": True})
+        ids_of[kernels] = [r["output_ids"] for r in eng.generate(prompts, params)]
+        if kernels == "triton":
+            packed = eng.runner.model.layers[0].mlp.moe_weights
+            assert isinstance(packed, PackedExperts) and packed.p13 is not None and packed.p2 is not None
+            assert [eng.generate([p], params)[0]["output_ids"] for p in prompts] == ids_of["triton"]
+    assert ids_of["triton"] == ids_of["reference"] and len(ids_of["triton"][0]) == 3
+
+
 @pytest.mark.parametrize("hid,inter,group", [(41, 25, None), (48, 24, 8)])
 def test_fused_w4a16_moe_at_ragged_widths_equals_the_composed_path(hid, inter, group):
     """Odd widths (the last byte's unused nibble, the K masks, the clamped columns), channel-wise, and groups
@@ -210,6 +267,52 @@ def test_fused_w4a16_moe_at_ragged_widths_equals_the_composed_path(hid, inter, g
     with torch.inference_mode():
         got = TRI.moe_experts(x, ids, w, packed)
         assert torch.equal(got, TRI.moe_experts(x, ids, w, pairs))
+        assert torch.equal(TRI.moe_experts(x[2:3], ids[2:3], w[2:3], packed), got[2:3])
+        expected = REFERENCE.moe_experts(x, ids, w, ref)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["gate-up-fused", "gate-up-apart"])
+@pytest.mark.parametrize("hid,inter,group", [(32, 32, 16), (41, 25, None), (48, 24, 8)])
+def test_fused_act_order_w4a16_moe_at_random_perms_equals_the_composed_path(hid, inter, group, split):
+    """Random act orders, different per expert and per projection (gate_up, or gate and up apart as the loader's
+    ConcatLinear, and down), one expert without any (the identity in the stack), over odd widths, channel-wise
+    and groups smaller than a K tile; hidden == width too (so down reading gate_up's perms would be well formed):
+    the composed slot over unstacked copies of the same modules bit for bit, a row alone its row batched."""
+    from backend_lib.checkpoint.int4 import Int4Weight
+    from backend_lib.kernels.triton.experts import moe_weights
+    from backend_lib.layers.linear import ConcatLinear, W4A16Linear
+
+    g = torch.Generator().manual_seed(13 + hid)
+    e_n, k = 6, 3
+
+    def weight(n, kk, perm=True):
+        groups = kk // (group or kk)
+        return Int4Weight(torch.randint(0, 16, (n, kk), generator=g, dtype=torch.uint8),
+                          torch.rand(n, groups, generator=g) * 0.05 + 1e-3,
+                          torch.randint(0, 17, (n, groups), generator=g).float(), group or kk,
+                          torch.randperm(kk, generator=g) if perm else None)
+
+    def gate_up(ws, kernels):
+        if not split:
+            return W4A16Linear(ws[0], kernels)
+        return ConcatLinear([W4A16Linear(w, kernels) for w in ws])
+
+    ws = [([weight(2 * inter, hid, e != 2)] if not split else [weight(inter, hid, e != 2), weight(inter, hid)],
+           weight(hid, inter, e != 2)) for e in range(e_n)]                     # expert 2: no perm
+    pairs = [(gate_up(a, TRI), W4A16Linear(b, TRI)) for a, b in ws]
+    apart = [(gate_up(a, TRI), W4A16Linear(b, TRI)) for a, b in ws]             # unstacked: their own tensors
+    ref = [(gate_up(a, REFERENCE), W4A16Linear(b, REFERENCE)) for a, b in ws]
+    packed = moe_weights(pairs)
+    assert isinstance(packed, PackedExperts) and packed.p13.shape == ((e_n, 2, hid) if split else (e_n, hid))
+    assert torch.equal(packed.p2[2], torch.arange(inter, dtype=torch.int32)) and pairs[2][1].prepared[3] is None
+    x = (torch.randn(7, hid, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e_n - 1, generator=g)[:k] for _ in range(7)])     # expert 5 unused
+    ids[0] = torch.tensor([2, 0, 4])
+    w = torch.softmax(torch.randn(7, k, generator=g), -1).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = TRI.moe_experts(x, ids, w, packed)
+        assert torch.equal(got, TRI.moe_experts(x, ids, w, apart))
         assert torch.equal(TRI.moe_experts(x[2:3], ids[2:3], w[2:3], packed), got[2:3])
         expected = REFERENCE.moe_experts(x, ids, w, ref)
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

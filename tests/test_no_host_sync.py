@@ -191,14 +191,17 @@ def test_a_sampled_decode_step_makes_one_device_to_host_copy(a8w8_ckpt):
         Sampler()(logits.cpu(), seqs)
 
 
-@pytest.mark.parametrize("fmt", ["a8w8", "bf16", "w4a16"])
+@pytest.mark.parametrize("fmt", ["a8w8", "bf16", "w4a16", "gptq-descact"])
 def test_a_moe_decode_step_with_the_fused_triton_moe_never_syncs(moe_a8w8_ckpt, moe_bf16_ckpt, ckpts, fmt):
     """Qwen3-MoE: the router, the top-k, the pairs' sort and padding (kernels/triton/moe.py's align) and the
-    fused expert kernels all stay on the device. The composed path (kernels/moe.py, which counts each expert's
-    pairs on the host) does not: the control."""
+    fused expert kernels (act-order experts: their perms gathered in the kernels) all stay on the device. The
+    composed path (kernels/moe.py, which counts each expert's pairs on the host) does not: the control."""
     from backend_lib.kernels.triton.experts import PackedExperts
 
-    ckpt = {"a8w8": moe_a8w8_ckpt, "bf16": moe_bf16_ckpt}.get(fmt) or ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe")
+    ckpt = {"a8w8": moe_a8w8_ckpt, "bf16": moe_bf16_ckpt}.get(fmt) or (
+        ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe") if fmt == "w4a16" else
+        ckpts.get("tiny-moe-gptq-descact-own-perms", "gptq", "tiny-moe", group_size=16, desc_act=True,
+                  shared_perm=False))
     runner, mode = _runner(ckpt, TRITON, "bf16")
     sparse = [m for m in runner.model.modules() if hasattr(m, "moe_weights")]
     assert sparse and all(isinstance(m.moe_weights, PackedExperts) for m in sparse)

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of every Triton kernel variant the engine launches, for sm_90 and sm_80, on this
 CPU-only machine: no register spills, shared memory within the limit, int8 MMA in the A8W8 GEMM, no MMA (full
-fp32) in the W4A16 GEMM."""
+fp32) in the W4A16 GEMMs (dense and fused MoE, with and without the act-order perm)."""
 from __future__ import annotations
 
 import json
@@ -45,6 +45,9 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80_without_spills_or_exce
             "moe combine hidden=2048", "moe combine hidden=4096"} <= labels
     assert {f"w4a16 tile_group={t} perm={p}" for t in (True, False) for p in (True, False)} <= labels
     assert {f"moe w4a16 {g} tile_group={t}" for g in ("gate_up+swiglu", "down+weight") for t in (True, False)} <= labels
+    # GPTQ act-order experts (rows gathered through each expert's perm): gate/up sharing one or each its own, down
+    assert {f"moe w4a16 gate_up+swiglu tile_group={t} perm={p}" for t in (True, False) for p in ("shared", "own")} | \
+        {f"moe w4a16 down+weight tile_group={t} perm=own" for t in (True, False)} <= labels
 
 
 def test_the_int8_gemm_uses_int8_mma_and_wgmma_on_hopper(compiled):

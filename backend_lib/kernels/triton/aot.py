@@ -79,25 +79,30 @@ def variants() -> list[Variant]:
     # the fused MoE (moe.py): gate/up + SwiGLU and down + router weight, A8W8 at each tile bucket and bf16 experts,
     # and the combine at Qwen3-30B-A3B / 235B-A22B's hidden sizes (8 experts per token)
     moe_sig = {"a_ptr": bf, "ws_ptr": "*fp32", "wz_ptr": "*fp32", "pw_ptr": bf, "y_ptr": bf, "sorted_ptr": "*i32",
-               "bexp_ptr": "*i32",
-               "npad_ptr": "*i32"}
+               "bexp_ptr": "*i32", "npad_ptr": "*i32", "perm_ptr": "*i32"}
+    no_perm = {"HAS_PERM": False, "PERM_UP": False}
     for quant in (True, False):
         for pairs, experts in moe.MOE_BUCKETS if quant else moe.MOE_BUCKETS[:1]:
             for gated in (True, False):
                 cfg = moe.moe_config(quant, pairs, experts, gated)
                 add(moe.moe_gemm_kernel, {**moe_sig, "w_ptr": "*i8" if quant else bf},
                     {**cfg, "A_DIV": 8 if gated else 1, "QUANT": quant, "GATED": gated, "MUL_W": not gated,
-                     "EVEN_K": True, "OUT": 1, "INTERP": False, "PREC": 0, "W4": False, "TILE_GROUP": False}, cfg,
+                     "EVEN_K": True, "OUT": 1, "INTERP": False, "PREC": 0, "W4": False, "TILE_GROUP": False,
+                     **no_perm}, cfg,
                     f"moe {'a8w8' if quant else 'bf16'} {'gate_up+swiglu' if gated else 'down+weight'} "
                     f"BLOCK_M={cfg['BLOCK_M']}")
-    # packed int4 experts (W4A16): full fp32 dot; a group per K tile (group 128) or gathered
+    # packed int4 experts (W4A16): full fp32 dot; a group per K tile (group 128) or gathered; without and with
+    # GPTQ act order (the rows gathered through each expert's perm; gate/up: one perm shared, or each its own)
     for gated in (True, False):
         cfg = moe.moe_config(False, 1, 128, gated, w4=True)
         for tile_group in (True, False):
-            add(moe.moe_gemm_kernel, {**moe_sig, "w_ptr": "*u8"},
-                {**cfg, "A_DIV": 8 if gated else 1, "QUANT": False, "GATED": gated, "MUL_W": not gated,
-                 "EVEN_K": True, "OUT": 1, "INTERP": False, "PREC": 1, "W4": True, "TILE_GROUP": tile_group}, cfg,
-                f"moe w4a16 {'gate_up+swiglu' if gated else 'down+weight'} tile_group={tile_group}")
+            for perm in ("", "shared", "own") if gated else ("", "own"):
+                add(moe.moe_gemm_kernel, {**moe_sig, "w_ptr": "*u8"},
+                    {**cfg, "A_DIV": 8 if gated else 1, "QUANT": False, "GATED": gated, "MUL_W": not gated,
+                     "EVEN_K": True, "OUT": 1, "INTERP": False, "PREC": 1, "W4": True, "TILE_GROUP": tile_group,
+                     "HAS_PERM": bool(perm), "PERM_UP": gated and perm == "own"}, cfg,
+                    f"moe w4a16 {'gate_up+swiglu' if gated else 'down+weight'} tile_group={tile_group}"
+                    + (f" perm={perm}" if perm else ""))
     for hid in MOE_HIDDEN:
         block = min(moe.COMBINE_BLOCK, triton.next_power_of_2(hid))
         add(moe.moe_combine_kernel, {"c_ptr": bf, "y_ptr": bf}, {"TOPK": 8, "BLOCK": block, "OUT": 1}, {},

@@ -19,9 +19,12 @@ A8W8):
   equals silu_mul(gate_up(x)). The down GEMM re-quantizes that row per pair, like the composed down projection.
 - float (bf16 / fp16 / fp32 experts): float_linear_kernel's K blocking (its BLOCK_K, fdot), one tiling for every
   batch, so a row's summation order never depends on the step.
-- W4A16 (packed int4 experts, no act-order perm): each weight tile dequantized in registers exactly as
-  w4a16_kernel does, then the float path with full fp32 products (its tiling, interpreted: w4a16_kernel's
-  BLOCK_K, so the composed path's bits there).
+- W4A16 (packed int4 experts): each weight tile dequantized in registers exactly as w4a16_kernel does, then the
+  float path with full fp32 products (its tiling, interpreted: w4a16_kernel's BLOCK_K, so the composed path's
+  bits there). GPTQ act order (HAS_PERM): the pair's row loaded through its expert's perm, a[row, perm_e[k]]
+  against weight column k, w4a16_kernel's gathered load, so the same products in the same order: gate/up
+  through the expert's gate_up perm (PERM_UP: the up half through its own), down through its perm over the
+  SwiGLU columns. Without HAS_PERM the code is the non-perm kernel's (the same PTX).
 - the router weight: `round(y * w)` in the model dtype (one product of two model-dtype values, as `y * w`),
   then the combine adds each token's k products in ascending expert order, rounding to the model dtype after
   each add (`out = c0; out += c1; ...`). A token's output reads only its own pairs: batch invariant.
@@ -36,16 +39,19 @@ from .common import INTERPRET, fdot, out_code, rne, round_out
 
 
 @triton.jit
-def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, wz_ptr, pw_ptr, y_ptr, sorted_ptr, bexp_ptr, npad_ptr, P, N, K, G, GS,
-                    stride_am, stride_ym, A_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, wz_ptr, pw_ptr, y_ptr, sorted_ptr, bexp_ptr, npad_ptr, perm_ptr, P, N, K,
+                    G, GS, stride_am, stride_ym, A_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, QUANT: tl.constexpr, GATED: tl.constexpr, MUL_W: tl.constexpr,
                     EVEN_K: tl.constexpr, OUT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-                    W4: tl.constexpr, TILE_GROUP: tl.constexpr):
+                    W4: tl.constexpr, TILE_GROUP: tl.constexpr, HAS_PERM: tl.constexpr, PERM_UP: tl.constexpr):
     """Program (block of BLOCK_M sorted pair slots, BLOCK_N output columns). Rows of A: pair // A_DIV (the
     token's hidden row for gate/up, A_DIV = k; the pair's intermediate row for down, A_DIV = 1). The expert's
     weight is w[e] [N_w, K] (N_w = 2N gated: gate rows [0, N), up rows [N, 2N)). y [P, N]. W4: w[e] is packed
     int4 [N_w, ceil(K / 2)] uint8 (w4a16.py's layout) with fp32 scales ws / zeros wz [E, N_w, G] (groups of GS
-    columns), dequantized per tile as w4a16_kernel does (QUANT False: the float path's fp32 accumulation)."""
+    columns), dequantized per tile as w4a16_kernel does (QUANT False: the float path's fp32 accumulation).
+    HAS_PERM (W4 only): act order, expert e's perm int32 [K] at perm_ptr + e * K; the pair's row is loaded through
+    it (a[row, perm_e[k]] against weight column k, w4a16_kernel's gathered load). PERM_UP (gated): gate and up
+    each carry their own, [E, 2, K] (the up half's row loaded through perm_e[1]); else gate/up share perm_e."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -61,6 +67,9 @@ def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, wz_ptr, pw_ptr, y_ptr, sorted_ptr, bex
     n_w = 2 * N if GATED else N
     # int32 offsets from scalar bases: one register per element, not a 64-bit pointer (no register spills)
     a_offs = (row * stride_am)[:, None] + rk[None, :]
+    if HAS_PERM:
+        a_rows = (row * stride_am)[:, None]
+        p_base = perm_ptr + e * (2 * K if PERM_UP else K)     # expert e's perm (its gate's, then its up's)
     if W4:
         kp = (K + 1) // 2
         w_base = w_ptr + e * n_w * kp
@@ -87,7 +96,11 @@ def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, wz_ptr, pw_ptr, y_ptr, sorted_ptr, bex
     for k0 in range(0, K, BLOCK_K):
         if W4:
             k_ok = (k0 + rk) < K
-            at = tl.load(a_ptr + k0 + a_offs, mask=k_ok[None, :], other=0.0)
+            if HAS_PERM:        # the gathered column load: a[row, perm_e[k]]
+                pcol = tl.load(p_base + k0 + rk, mask=k_ok, other=0)
+                at = tl.load(a_ptr + a_rows + pcol[None, :], mask=k_ok[None, :], other=0.0)
+            else:
+                at = tl.load(a_ptr + k0 + a_offs, mask=k_ok[None, :], other=0.0)
             wg = _w4_tile(w_base + k0 // 2 + w_offs, wz_ptr, ws_ptr, sz_base + rn_c, k0, rk, k_ok, shift, G, GS,
                           TILE_GROUP)
         elif EVEN_K:
@@ -113,6 +126,10 @@ def moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, wz_ptr, pw_ptr, y_ptr, sorted_ptr, bex
                 wu = tl.load(w_base + N * K + k0 + w_offs, mask=((k0 + rk) < K)[:, None], other=0)
             if QUANT:
                 acc_u += tl.dot(q, wu, out_dtype=tl.int32)
+            elif PERM_UP:       # the up projection's own act order
+                pcol_u = tl.load(p_base + K + k0 + rk, mask=k_ok, other=0)
+                at_u = tl.load(a_ptr + a_rows + pcol_u[None, :], mask=k_ok[None, :], other=0.0)
+                acc_u += fdot(at_u, wu, INTERP, PREC)
             else:
                 acc_u += fdot(at, wu, INTERP, PREC)
     if QUANT:
@@ -221,10 +238,12 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
              num_padded: torch.Tensor, pair_weights, num_pairs: int, a_div: int, gated: bool,
-             out_dtype: torch.dtype, cfg: dict, w_zero=None) -> torch.Tensor:
+             out_dtype: torch.dtype, cfg: dict, w_zero=None, perm=None) -> torch.Tensor:
     """a [rows, K] (a row per token, a_div = k; or per pair, a_div = 1); w [E, N_w, K] int8 (w_scale fp32
     [E, N_w]), float, or packed int4 uint8 [E, N_w, ceil(K / 2)] (w_scale / w_zero fp32 [E, N_w, G]); -> y
-    [num_pairs, N] in out_dtype (N = N_w / 2 gated, SwiGLU; times pair_weights [P] when given)."""
+    [num_pairs, N] in out_dtype (N = N_w / 2 gated, SwiGLU; times pair_weights [P] when given). perm (packed
+    int4 only): the experts' act orders, int32 [E, K] (gated: gate and up share each), or [E, 2, K] gated (gate's
+    and up's own)."""
     a = a if a.stride(-1) == 1 else a.contiguous()
     e, n_w, k = w.shape
     w4 = w.dtype == torch.uint8
@@ -235,6 +254,11 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale, sorted_pairs: torch.Tens
         gs = k // groups
         if w.shape[2] != (k + 1) // 2 or k % groups:
             raise ValueError(f"moe w4a16: rows of {k} columns, packed experts {tuple(w.shape)} in {groups} groups")
+    perm_up = perm is not None and perm.dim() == 3
+    if perm is not None and (not w4 or perm.dtype != torch.int32 or not perm.is_contiguous() or
+                             tuple(perm.shape) not in ((e, k), (e, 2, k) if gated else (e, k))):
+        raise ValueError(f"moe: perm {perm.dtype} {tuple(perm.shape)} is no int32 act order of packed int4 experts "
+                         f"[{e}, {'2, ' if gated else ''}{k}] ({w.dtype} weights)")
     n = n_w // 2 if gated else n_w
     y = torch.empty((num_pairs, n), dtype=out_dtype, device=a.device)
     if num_pairs == 0:
@@ -244,10 +268,12 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, w_scale, sorted_pairs: torch.Tens
     grid = (sorted_pairs.shape[0] // cfg["BLOCK_M"], triton.cdiv(n, cfg["BLOCK_N"]))
     moe_gemm_kernel[grid](a, w, w_scale if quant or w4 else w, w_zero if w4 else w,
                           pair_weights if pair_weights is not None else a, y,
-                          sorted_pairs, block_expert, num_padded, num_pairs, n, k, groups, gs, a.stride(0),
-                          y.stride(0), A_DIV=a_div, QUANT=quant, GATED=gated, MUL_W=pair_weights is not None,
-                          EVEN_K=k % cfg["BLOCK_K"] == 0, OUT=out_code(out_dtype), INTERP=INTERPRET,
-                          PREC=int(full), W4=w4, TILE_GROUP=w4 and gs % cfg["BLOCK_K"] == 0, **cfg)
+                          sorted_pairs, block_expert, num_padded, perm if perm is not None else sorted_pairs,
+                          num_pairs, n, k, groups, gs, a.stride(0), y.stride(0), A_DIV=a_div, QUANT=quant,
+                          GATED=gated, MUL_W=pair_weights is not None, EVEN_K=k % cfg["BLOCK_K"] == 0,
+                          OUT=out_code(out_dtype), INTERP=INTERPRET, PREC=int(full), W4=w4,
+                          TILE_GROUP=w4 and gs % cfg["BLOCK_K"] == 0, HAS_PERM=perm is not None, PERM_UP=perm_up,
+                          **cfg)
     return y
 
 

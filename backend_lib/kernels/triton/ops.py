@@ -137,15 +137,15 @@ def _(q, k_codes, k_scales, v_codes, v_scales, block_tables, query_start_loc, se
 @custom_op("qwen3_triton::moe_gemm", mutates_args=())
 def moe_gemm(a: Tensor, w: Tensor, w_scale: Optional[Tensor], sorted_pairs: Tensor, block_expert: Tensor,
              num_padded: Tensor, pair_weights: Optional[Tensor], num_pairs: int, a_div: int, gated: bool,
-             out_dtype: torch.dtype, w_zero: Optional[Tensor] = None) -> Tensor:
+             out_dtype: torch.dtype, w_zero: Optional[Tensor] = None, perm: Optional[Tensor] = None) -> Tensor:
     cfg = moe.moe_config(w.dtype == torch.int8, num_pairs, w.shape[0], gated, w.dtype == torch.uint8)
     return moe.moe_gemm(a, w, w_scale, sorted_pairs, block_expert, num_padded, pair_weights, num_pairs, a_div,
-                        gated, out_dtype, cfg, w_zero)
+                        gated, out_dtype, cfg, w_zero, perm)
 
 
 @moe_gemm.register_fake
 def _(a, w, w_scale, sorted_pairs, block_expert, num_padded, pair_weights, num_pairs, a_div, gated, out_dtype,
-      w_zero=None):
+      w_zero=None, perm=None):
     return a.new_empty((num_pairs, w.shape[1] // 2 if gated else w.shape[1]), dtype=out_dtype)
 
 
