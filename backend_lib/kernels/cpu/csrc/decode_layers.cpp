@@ -17,14 +17,16 @@
 // shares only full pages), so they need no barrier of their own. The region runs the kernels' pieces (parts.h), the very
 // code of the ops, each output row, panel and work item computed by one thread in the op's order, so the hidden
 // states and the KV cache are bit-identical to the ops' (and to the Python layer loop), whatever the batch and
-// the thread count. A W4A16 linear's input rows are widened to fp32 (w4a16_linear's widening) and its panels are
+// the thread count. A W4A16 linear's input rows are widened to fp32 (w4a16_linear's widening; a GPTQ act-order
+// linear's gathered by its perm as well, as w4a16_linear gathers them) and its panels are
 // w4a16_panel_range's, in pairs (the op's chunk); at batch 1 each thread takes the table lookup where the op does
 // (the weight's lut_zero, w4a16_lut_row on the row it reads: every copy of the row the same bits, the same answer).
 // A float linear (FloatLinear: a bf16 or fp32 checkpoint) is float_linear's panels of 64 outputs (float_panels),
 // in float_linear's chunks, on its activation rows (the model dtype's; bf16 widened to fp32 where float_linear
 // widens them, the AVX2 build): each output an fp32 sum in k order rounded once, whichever thread takes its panel.
 //
-// A Qwen3-MoE sparse layer (float, A8W8 or W4A16 experts) stays in the region too: the router GEMV (float_linear's
+// A Qwen3-MoE sparse layer (float, A8W8 or W4A16 experts, act-order W4A16 ones with a perm per expert weight:
+// moe_parts.h gathers each routed pair's rows by its expert's perms) stays in the region too: the router GEMV (float_linear's
 // panels, one per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's
 // route() (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
 // parallel_for runs serially) and plans the pairs per expert, while the others wait at a barrier; then the
