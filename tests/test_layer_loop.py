@@ -236,11 +236,15 @@ def test_moe_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(ckp
     _assert_loop_ids_equal_the_python_loop(eng, _prompts(eng, 8), steps=16, solo=2)
 
 
-def test_moe_python_loop_where_the_region_does_not_take_the_experts(ckpts):
-    """Int4 weights with a column permutation (GPTQ desc_act) keep the Python loop."""
-    ckpt = ckpts.get("tiny-gptq-g64-asym-descact", "gptq", group_size=64, symmetric=False, desc_act=True)
-    eng = make_engine(ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
+def test_python_loop_where_act_order_projections_keep_their_own_perms(ckpts):
+    """GPTQ desc_act projections with their own perms on one input (q, k, v not sharing theirs: a ConcatLinear of
+    W4A16Linears, layers/linear.py) keep the Python loop; shared perms (one W4A16Linear) take the region."""
+    own = ckpts.get("tiny-gptq-g32-descact-own-perms", "gptq", group_size=32, desc_act=True, shared_perm=False)
+    eng = make_engine(own, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
+    assert type(eng.runner.model.layers[0].self_attn.qkv_proj).__name__ == "ConcatLinear"
     assert not eng.runner.model.layer_loop.applies(eng.runner.kv_cache)
+    shared = make_engine(_w4a16(ckpts, "descact"), dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
+    assert shared.runner.model.layer_loop.applies(shared.runner.kv_cache)
 
 
 def test_the_region_profile_accounts_for_a_moe_decode_step(moe_a8w8_ckpt):
@@ -289,11 +293,19 @@ def test_the_regions_routing_is_layers_moe_route_bit_for_bit(dtype):
 
 def _w4a16(ckpts, which):
     """sym: compressed-tensors pack-quantized, symmetric, group 32 (every weight's batch-1 table lookup exact);
-    asym: group 64 with zero points (no table lookup); moe: tiny Qwen3-MoE, W4A16 attention and experts."""
+    asym: group 64 with zero points (no table lookup); moe: tiny Qwen3-MoE, W4A16 attention and experts;
+    descact: GPTQ act-order (a perm per linear: q/k/v and gate/up share theirs), group 32 with zero points (no
+    table lookup);
+    moe-descact: tiny Qwen3-MoE in GPTQ act-order, symmetric group 16 (the table lookup), every expert's gate_up
+    and down with a perm of its own."""
     if which == "sym":
         return ckpts.get("tiny-w4a16", "w4a16")
     if which == "asym":
         return ckpts.get("tiny-ct-g64-asym", "w4a16", group_size=64, symmetric=False)
+    if which == "descact":
+        return ckpts.get("tiny-gptq-g32-asym-descact", "gptq", group_size=32, symmetric=False, desc_act=True)
+    if which == "moe-descact":
+        return ckpts.get("tiny-moe-gptq-descact", "gptq", "tiny-moe", group_size=16, desc_act=True)
     return ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe")
 
 
@@ -321,7 +333,53 @@ def test_w4a16_decode_steps_run_in_one_region_with_the_python_loops_bits(ckpts, 
         assert prof[:, _phase("gateUp")].sum().item() > 0
 
 
-@pytest.mark.parametrize("which", ["sym", "moe"])
+def _expert_perms(mlp):
+    """Per expert of a sparse layer: its gate_up and down act-order perms (the prepared W4A16Linears')."""
+    return [(gu.prepared[3], dn.prepared[3]) for gu, dn in mlp.expert_pairs]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 5])
+@pytest.mark.parametrize("which,dtype", [("descact", "bfloat16"), ("descact", "float32"),
+                                         ("moe-descact", "bfloat16"), ("moe-descact", "float32")])
+def test_act_order_w4a16_decode_steps_run_in_one_region_with_the_python_loops_bits(ckpts, monkeypatch, which, dtype,
+                                                                                   batch, threads):
+    """GPTQ act-order (desc_act) W4A16 linears and experts in the one region: each row gathered by its linear's perm
+    (dense) or by its routed expert's gate_up and down perms (experts) before the panels, as w4a16_linear gathers
+    it; the hidden states, logits and KV caches of every step bit-identical to the Python loop, batch 1, 2 and 5,
+    1 and 2 threads. The Python loop's experts here are the composed slot (each expert's own W4A16Linear, its
+    w4a16_linear with its perm), not the native op whose pieces the region shares."""
+    if dtype == "float32" and (batch, threads) != (5, 2):
+        pytest.skip("covered by the other cases")
+    eng = make_engine(_w4a16(ckpts, which), dtype=dtype, max_num_seqs=8, kv_cache_memory="4MiB", max_model_len=256)
+    model = eng.runner.model
+    lins = [lin for layer in model.layers for lin in model.layer_loop._linears(layer)]
+    assert lins and all(type(lin).__name__ == "W4A16Linear" for lin in lins)
+    for lin in lins:   # every linear permuted (several groups per input), and not by the identity
+        perm = lin.prepared[3]
+        assert perm.numel() == lin.in_features and not torch.equal(perm, torch.arange(lin.in_features))
+    assert all((lin.prepared[5] >= 0) == (which == "moe-descact") for lin in lins)   # the lookup's weights (or none)
+    if which == "moe-descact":
+        from backend_lib.kernels.cpu.moe import table_of
+        mlp = model.layers[0].mlp
+        perms = _expert_perms(mlp)
+        assert all(gu.numel() and dn.numel() for gu, dn in perms)
+        assert not torch.equal(perms[0][0], perms[1][0]) and not torch.equal(perms[0][1], perms[1][1])
+        table = table_of(mlp.moe_weights)
+        assert table.table.shape[1] == 8 and bool((table.table[:, [3, 7]] != 0).all())   # the perms' pointers
+        assert model.layer_loop.applies(eng.runner.kv_cache)   # (the region's table, read now)
+        # the Python loop's moe slot without a table: kernels/moe.py's composed slot
+        monkeypatch.setattr("backend_lib.kernels.cpu.moe.table_of", lambda experts: None)
+    assert model.layer_loop.applies(eng.runner.kv_cache)
+    twin, prof, _ = _generate_profiled(eng, batch, threads)
+    assert prof[:, _phase("qkv")].sum().item() > 0
+    if which == "moe-descact":
+        assert prof[:, _phase("expGateUp")].sum().item() > 0 and prof[:, _phase("gateUp")].sum().item() == 0
+    else:
+        assert prof[:, _phase("gateUp")].sum().item() > 0
+
+
+@pytest.mark.parametrize("which", ["sym", "moe", "descact", "moe-descact"])
 def test_w4a16_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(ckpts, which):
     """Through the engine: the same greedy ids with the layer loop on and off, and batched as alone."""
     eng = make_engine(_w4a16(ckpts, which), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="8MiB",

@@ -313,11 +313,13 @@ def test_cpu_a8w8_moe_equals_the_reference_bit_for_bit(moe_a8w8_ckpt, dtype):
     assert torch.equal(ref, cpu) and ref.abs().sum() > 0
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "a8w8", "w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("fmt", ["bf16", "a8w8", "w4a16", "w4a16-asym", "gptq-descact"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_native_moe_op_equals_the_composed_slot_bit_for_bit(ckpts, moe_bf16_ckpt, moe_a8w8_ckpt, fmt, dtype):
     """csrc/moe.cpp (one parallel region per MoE layer) against the composed slot (kernels/moe.py) on the same
-    routing, batched and alone, every format: the same bits; a routing with ties and repeated experts too."""
+    routing, batched and alone, every format: the same bits; a routing with ties and repeated experts too.
+    gptq-descact: GPTQ act-order experts, each expert's gate_up and down with a perm of its own (the op gathers a
+    pair's row by its expert's perms, the composed slot runs each expert's w4a16_linear with its perm)."""
     from backend_lib.kernels import get_kernels
     from backend_lib.kernels.cpu.moe import build_table
     from backend_lib.kernels.moe import grouped_moe
@@ -326,11 +328,16 @@ def test_cpu_native_moe_op_equals_the_composed_slot_bit_for_bit(ckpts, moe_bf16_
     cpu = get_kernels("cpu", "cpu")
     if fmt == "w4a16-asym":
         ckpt = ckpts.get("tiny-moe-w4a16-asym", "w4a16", "tiny-moe", symmetric=False)
+    elif fmt == "gptq-descact":
+        ckpt = ckpts.get("tiny-moe-gptq-descact", "gptq", "tiny-moe", group_size=16, desc_act=True)
     else:
         ckpt = {"bf16": moe_bf16_ckpt, "a8w8": moe_a8w8_ckpt}.get(fmt) or ckpts.get("tiny-moe-w4a16", "w4a16",
                                                                                    "tiny-moe")
     block = moe_block(ckpt, cpu, dtype)
     assert build_table(block.expert_pairs) is not None   # the native op takes this layer
+    if fmt == "gptq-descact":   # every expert weight permuted, each by a perm of its own
+        perms = [p.prepared[3] for pair in block.expert_pairs for p in pair]
+        assert all(p.numel() for p in perms) and len({tuple(p.tolist()) for p in perms}) == len(perms)
     x = _hidden(dtype=dtype)
     with torch.inference_mode():
         ids, w = route(block.gate.forward(x), 2, True)

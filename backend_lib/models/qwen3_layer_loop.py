@@ -3,21 +3,24 @@
 The compiled op runs the same kernel functions as the Python layers, in the same order, so its hidden states
 are bit-identical to Qwen3ForCausalLM's Python loop (the reference of behaviour, tests/test_layer_loop.py);
 it only removes the interpreter between ~200 kernel calls a step. It applies where that path would compute
-nothing else: the `cpu` kernel set, every projection a plain A8W8Linear, a W4A16Linear without a column
-permutation or a FloatLinear (bf16 / fp32 weights in float_pack's panels: float_linear) (each linear of its own
-kind, as the checkpoint has it), a dense KV cache; Qwen3-MoE's sparse layers (layers/moe.py) where the router is a
-FloatLinear, the routing layers/moe.py's route() and the experts float, A8W8 or W4A16 in the set's native op
-(kernels/cpu/moe.py's table_of, the table the Python layer uses). Anything else (GPTQ act-order int4 weights,
-experts the native op does not take, TurboQuant, linears wrapped with per-row features, expert parallelism) takes
-the Python loop. With `aux` the op also writes EAGLE-3's aux hidden states ([spec],
+nothing else: the `cpu` kernel set, every projection a plain A8W8Linear, a W4A16Linear (GPTQ act-order ones
+included: the op gathers each row by the linear's perm as w4a16_linear does) or a FloatLinear (bf16 / fp32 weights
+in float_pack's panels: float_linear) (each linear of its own kind, as the checkpoint has it), a dense KV cache;
+Qwen3-MoE's sparse layers (layers/moe.py) where the router is a FloatLinear, the routing layers/moe.py's route() and
+the experts float, A8W8 or W4A16 (act-order ones included, a perm per expert weight) in the set's native op
+(kernels/cpu/moe.py's table_of, the table the Python layer uses). Anything else (projections whose act-order perms
+differ, so that they stay a ConcatLinear of several W4A16Linears, experts the native op does not take, TurboQuant,
+linears wrapped with per-row features, expert parallelism) takes the Python loop. With `aux` the op also writes EAGLE-3's aux hidden states ([spec],
 Qwen3ForCausalLM.forward_aux), in the region and op by op alike.
 
 Per layer the op's list holds the four norms, each linear's first three prepared tensors (A8W8: packed, scale,
-colsum; W4A16: packed, scales, zeros; float: packed and two empty tensors), and last a float64 [4, 2]: per linear
+colsum; W4A16: packed, scales, zeros; float: packed and two empty tensors), then each linear's column permutation
+(a W4A16Linear's act-order perm, int64 [K]; else empty), and last a float64 [4, 2]: per linear
 (qkv, o, gate_up, down) its output width and its W4A16 lut_zero (-1 for A8W8 and float, or no batch-1 table
 lookup). A sparse layer's MLP slots: the router's
 packed weight, the experts' table and lut, its dims (moe_experts' six, then top_k and norm_topk_prob, int64),
-two empty tensors (csrc/decode_layers.cpp, kMoeDims).
+two empty tensors, and empty perms for gate_up and down (the experts' perms are in the table; csrc/decode_layers.cpp,
+kMoeDims).
 """
 from __future__ import annotations
 
@@ -47,13 +50,13 @@ class LayerLoop:
 
     @staticmethod
     def _linear_ok(lin) -> bool:
-        """A plain A8W8Linear, a W4A16Linear without a column permutation (desc_act: the Python loop), or a
-        FloatLinear in the CPU set's float_pack panels."""
+        """A plain A8W8Linear, a W4A16Linear (with or without a GPTQ act-order perm), or a FloatLinear in the CPU
+        set's float_pack panels."""
         if type(lin) is A8W8Linear:
             return len(lin.prepared) == 3
         if type(lin) is FloatLinear:
             return isinstance(lin.prepared[0], torch.Tensor) and lin.prepared[0].dim() == 4
-        return type(lin) is W4A16Linear and lin.prepared[3].numel() == 0 and lin.prepared[4] == lin.out_features
+        return type(lin) is W4A16Linear and lin.prepared[4] == lin.out_features
 
     @staticmethod
     def _sparse_ok(mlp) -> bool:
@@ -88,6 +91,7 @@ class LayerLoop:
                 a = layer.self_attn
                 flat += [layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm]
                 lin_dims = [0.0, -1.0] * 4   # per linear: N, W4A16 lut_zero (csrc/decode_layers.cpp, kLinDims)
+                perms = [torch.empty(0, dtype=torch.int64)] * 4   # per linear: its act-order perm (kQkvPerm)
                 for j, lin in enumerate(self._linears(layer)):
                     if type(lin) is FloatLinear:   # the packed panels (prepared: packed, N, K)
                         flat += [lin.prepared[0], torch.empty(0), torch.empty(0)]
@@ -96,8 +100,10 @@ class LayerLoop:
                     lin_dims[2 * j] = float(lin.out_features)
                     if type(lin) is W4A16Linear:
                         lin_dims[2 * j + 1] = float(lin.prepared[5])
+                        perms[j] = lin.prepared[3]
                 if type(layer.mlp) is Qwen3SparseMoe:
                     flat += self._sparse_tensors(layer.mlp)
+                flat += perms
                 flat.append(torch.tensor(lin_dims, dtype=torch.float64))
             self.layers = [t.detach() for t in flat]
         return self.layers

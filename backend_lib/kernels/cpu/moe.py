@@ -1,10 +1,10 @@
 """The CPU set's `moe` slot: csrc/moe.cpp's one-parallel-region op over a table of the experts' prepared weights.
 
-The table (per expert the data pointers of its gate_up and down weights in this set's packed form) is built once
-per expert list and kept on it (`kernel_cache`, the list layers/moe.py hands to the slot) together with the
-tensors it points into. Expert lists the op does not cover (an expert missing on this rank, mixed kinds, int4
-weights with a column permutation, odd widths of float weights) take the composed slot (kernels/moe.py), whose
-bits the op gives.
+The table (per expert the data pointers of its gate_up and down weights in this set's packed form; W4A16: with each
+weight's GPTQ act-order perm, or 0 for none) is built once per expert list and kept on it (`kernel_cache`, the list
+layers/moe.py hands to the slot) together with the tensors it points into. Expert lists the op does not cover (an
+expert missing on this rank, mixed kinds, gate and up int4 weights with their own perms (a ConcatLinear, not one
+W4A16Linear), odd widths of float weights) take the composed slot (kernels/moe.py), whose bits the op gives.
 """
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def _weight(module, kind, n, k):
         packed, scale, colsum = p
         return [packed.data_ptr(), scale.data_ptr(), colsum.data_ptr()], p, packed.size(1), -1.0, None
     packed, scales, zeros, perm, n_out, lut_zero = p
-    if perm.numel() or n_out != n:
+    if n_out != n or perm.numel() not in (0, k) or perm.dtype != torch.int64 or not perm.is_contiguous():
         return None
-    return [packed.data_ptr(), scales.data_ptr(), zeros.data_ptr()], p, scales.size(1), float(lut_zero), None
+    perm_ptr = perm.data_ptr() if perm.numel() else 0   # the act-order gather (csrc/moe_parts.h); 0: none
+    return [packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), perm_ptr], p, scales.size(1), float(lut_zero), None
 
 
 def build_table(experts) -> _Table | None:

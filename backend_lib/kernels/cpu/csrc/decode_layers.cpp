@@ -17,14 +17,16 @@
 // shares only full pages), so they need no barrier of their own. The region runs the kernels' pieces (parts.h), the very
 // code of the ops, each output row, panel and work item computed by one thread in the op's order, so the hidden
 // states and the KV cache are bit-identical to the ops' (and to the Python layer loop), whatever the batch and
-// the thread count. A W4A16 linear's input rows are widened to fp32 (w4a16_linear's widening) and its panels are
+// the thread count. A W4A16 linear's input rows are widened to fp32 (w4a16_linear's widening; a GPTQ act-order
+// linear's gathered by its perm as well, as w4a16_linear gathers them) and its panels are
 // w4a16_panel_range's, in pairs (the op's chunk); at batch 1 each thread takes the table lookup where the op does
 // (the weight's lut_zero, w4a16_lut_row on the row it reads: every copy of the row the same bits, the same answer).
 // A float linear (FloatLinear: a bf16 or fp32 checkpoint) is float_linear's panels of 64 outputs (float_panels),
 // in float_linear's chunks, on its activation rows (the model dtype's; bf16 widened to fp32 where float_linear
 // widens them, the AVX2 build): each output an fp32 sum in k order rounded once, whichever thread takes its panel.
 //
-// A Qwen3-MoE sparse layer (float, A8W8 or W4A16 experts) stays in the region too: the router GEMV (float_linear's
+// A Qwen3-MoE sparse layer (float, A8W8 or W4A16 experts, act-order W4A16 ones with a perm per expert weight:
+// moe_parts.h gathers each routed pair's rows by its expert's perms) stays in the region too: the router GEMV (float_linear's
 // panels, one per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's
 // route() (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
 // parallel_for runs serially) and plans the pairs per expert, while the others wait at a barrier; then the
@@ -58,19 +60,21 @@ enum LayerTensor : int64_t {
   kOPacked, kOScale, kOColsum,
   kGateUpPacked, kGateUpScale, kGateUpColsum,
   kDownPacked, kDownScale, kDownColsum,
+  kQkvPerm, kOPerm, kGateUpPerm, kDownPerm,
   kLinDims,
   kPerLayer
 };
 // A linear's three slots hold an A8W8 weight (a8w8_pack'ed int8, w_scale, colsum), a W4A16 one (w4a16_pack'ed
-// int32, scales, zeros; no column permutation) or a float one (float_pack'ed fp32 / bf16, two empty tensors), told
-// apart by the packed weight's dtype. kLinDims: fp64 [4, 2], per linear (qkv, o, gate_up, down) its output width N
+// int32, scales, zeros) or a float one (float_pack'ed fp32 / bf16, two empty tensors), told apart by the packed
+// weight's dtype. kQkvPerm + j: linear j's column permutation (a W4A16 weight's GPTQ act-order perm, int64 [K], as
+// w4a16_linear takes it; empty: none, and for A8W8, float and a sparse layer's MLP slots). kLinDims: fp64 [4, 2], per linear (qkv, o, gate_up, down) its output width N
 // and its W4A16 lut_zero (-1: none, and for A8W8 and float).
 enum LinSlot : int64_t { kLinQkv, kLinO, kLinGateUp, kLinDown };
 constexpr int64_t kLinDimsLen = 8;
 // A sparse (Qwen3-MoE) layer's MLP slots hold instead: kRouterPacked the router's float_pack'ed weight (E outputs),
 // kMoeTable / kMoeLut moe_experts' table and lut, kMoeDims int64 [8]: moe_experts' dims (kind, H, I, aux_gu,
 // aux_dn, bf16 weights; kind float, A8W8 or W4A16), then top_k and norm_topk_prob; kDownScale and kDownColsum are
-// unused (empty tensors).
+// unused (empty tensors), and so are kGateUpPerm and kDownPerm (the experts' perms are in the table).
 // kMoeDims' dtype marks the layer (int64, where a dense layer has its int8 / int32 packed down_proj).
 enum SparseTensor : int64_t { kRouterPacked = kGateUpPacked, kMoeTable = kGateUpScale, kMoeLut = kGateUpColsum,
                               kMoeDims = kDownPacked };
@@ -202,8 +206,7 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor* w, int64_t j) {
               "decode_layers: a layer's linear dims must be float64 [4, 2]");
   const double* d = dims.data_ptr<double>();
   if (is_float_lin(w, j)) return float_linear(x, p[0], static_cast<int64_t>(d[2 * j]), c10::nullopt);
-  return w4a16_linear(x, p[0], p[1], p[2], at::empty({0}, x.options().dtype(at::kLong)),
-                      static_cast<int64_t>(d[2 * j]), d[2 * j + 1]);
+  return w4a16_linear(x, p[0], p[1], p[2], w[kQkvPerm + j], static_cast<int64_t>(d[2 * j]), d[2 * j + 1]);
 }
 
 // [spec] EAGLE-3's aux hidden states: out [T, n * hidden] in x's dtype, slot j the residual stream entering layer
@@ -276,6 +279,7 @@ struct Lin {
   size_t xbytes;
   const void* wf = nullptr;
   bool wbf16 = false, x_f32 = true;
+  const int64_t* perm = nullptr;   // W4A16: the act-order perm (input column k of the weight reads x[perm[k]])
 };
 
 // Linear j's tensors as a8w8_linear / w4a16_linear / float_linear would check them, for an input of K features and
@@ -286,6 +290,7 @@ bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, bool
                    &aux = w[kQkvPacked + 3 * j + 2];
   const double* dims = region_lin_dims(w);
   if (dims == nullptr || dims[2 * j] != static_cast<double>(N)) return false;
+  if (!is_w4a16(w, j) && w[kQkvPerm + j].numel() != 0) return false;   // a perm only with a W4A16 weight
   if (is_float_lin(w, j)) {   // float_linear's checks; an odd K (bf16 pairs, padded by the op) takes the op path
     constexpr int64_t P = moe::kPanelRows;
     if (packed.dim() != 4 || !packed.is_contiguous() || packed.size(2) != P ||
@@ -309,9 +314,13 @@ bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, bool
     if (NP != (N + P - 1) / P || scale.size(0) != NP || scale.size(2) != P || packed.size(1) != (K + 7) / 8 ||
         G <= 0 || K % G != 0)
       return false;
+    const at::Tensor& perm = w[kQkvPerm + j];   // w4a16_linear's check of the perm
+    if (perm.scalar_type() != at::kLong || !perm.is_contiguous() || (perm.numel() != 0 && perm.numel() != K))
+      return false;
     out = {moe::kW4A16, nullptr, packed.data_ptr<int32_t>(), scale.data_ptr<float>(), nullptr, aux.data_ptr<float>(),
            N, NP, 0, 0, K, G, 2,   // w4a16_linear's chunk: panel pairs
            static_cast<float>(dims[2 * j + 1]), static_cast<size_t>(K) * sizeof(float)};
+    out.perm = perm.numel() ? perm.data_ptr<int64_t>() : nullptr;
     return true;
   }
   const int64_t P = parts::a8w8_panel(), G = parts::a8w8_group();
@@ -340,7 +349,10 @@ inline void prep_row(const Lin& lin, const T* src, int64_t r, char* xu, float* s
     return;
   }
   float* d = reinterpret_cast<float*>(dst);   // W4A16, and a float linear's fp32 rows (widened: exact)
-  for (int64_t c = 0; c < lin.K; ++c) d[c] = to_f(src[c]);
+  if (lin.perm)   // w4a16_linear's gather into the weight's column order (GPTQ act-order)
+    for (int64_t c = 0; c < lin.K; ++c) d[c] = to_f(src[lin.perm[c]]);
+  else
+    for (int64_t c = 0; c < lin.K; ++c) d[c] = to_f(src[c]);
 }
 
 // Output panels [p0, p1) of a float linear for the Tn prepared rows xu (prep_row): float_linear's panels.
@@ -377,7 +389,7 @@ bool make_sparse(const at::Tensor* w, int64_t hid, int64_t xt_bytes, Sparse& sp)
       table.scalar_type() != at::kLong)
     return false;
   const int64_t* d = dims.data_ptr<int64_t>();
-  if (table.size(1) != (d[0] == moe::kFloat ? 2 : 6)) return false;
+  if (d[0] < moe::kFloat || d[0] > moe::kW4A16 || table.size(1) != 2 * moe::table_stride(d[0])) return false;
   const int64_t E = table.size(0), G = parts::a8w8_group(), I = d[2];
   if (d[1] != hid || I <= 0 || E <= 0 || d[6] < 1 || d[6] > E) return false;
   if (d[0] == moe::kFloat) {   // float_pack'ed gate_up and down per expert (fp32 or bf16: dims[5]); moe_experts' checks
@@ -701,7 +713,7 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
         if (failed) break;
         moe::Bufs b = moe::bufs_at(moe_mem, ex, Tn, plan.S, sizeof(T), false);
         b.tok = xu, b.tsc = sc;   // (1): this thread's (or the shared) quantized rows
-        if (moe::needs_gather(plan)) {   // (2)
+        if (moe::needs_gather(ex, plan)) {   // (2)
           for (int64_t q = tid; q < plan.S; q += team) moe::gather_slot(ex, plan, b, q);
 #pragma omp barrier
         }
@@ -713,7 +725,7 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
 #pragma omp barrier
         clk.mark(kExpGateUpWait);
         for (int64_t q = tid; q < plan.S; q += team)   // (4)
-          wide ? moe::silu_slot<T, float>(ex, b, q) : moe::silu_slot<T, T>(ex, b, q);
+          wide ? moe::silu_slot<T, float>(ex, plan, b, q) : moe::silu_slot<T, T>(ex, plan, b, q);
 #pragma omp barrier
         clk.mark(kExpSilu);
         for (int64_t it = mc[2 * kLine].fetch_add(1, std::memory_order_relaxed); it < plan.ng * ex.ch_dn;

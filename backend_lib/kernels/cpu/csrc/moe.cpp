@@ -54,7 +54,7 @@ void moe_impl(const Experts& ex, const T* x, const int64_t* ids, const T* wts, i
   TORCH_CHECK(bad < 0, "moe_experts: expert id ", bad < 0 ? 0 : ids[bad], " out of range [0, ", ex.E, ")");
   const Bufs b = bufs_at(base + pb, ex, Tn, S, sizeof(T), true);
   const int64_t ng = plan.ng;
-  const bool gather = needs_gather(plan);
+  const bool gather = needs_gather(ex, plan);
   Counter ctr[3];
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ng * ex.ch_gu)));
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -73,7 +73,7 @@ void moe_impl(const Experts& ex, const T* x, const int64_t* ids, const T* wts, i
       gate_up_item<T, XT>(ex, plan, b, it);
 #pragma omp barrier
     // (4) SwiGLU, the down GEMM's input
-    for (int64_t s = tid; s < S; s += team) silu_slot<T, XT>(ex, b, s);
+    for (int64_t s = tid; s < S; s += team) silu_slot<T, XT>(ex, plan, b, s);
 #pragma omp barrier
     // (5) down
     for (int64_t it = ctr[1].v.fetch_add(1); it < ng * ex.ch_dn; it = ctr[1].v.fetch_add(1))
@@ -88,8 +88,9 @@ void moe_impl(const Experts& ex, const T* x, const int64_t* ids, const T* wts, i
 }  // namespace
 
 // x [T, H] (float32 / bfloat16); topk_ids int64 [T, k]; topk_weights [T, k] in x's dtype; table int64 [E, cols]:
-// per expert the data pointers of its prepared weights (float: gate_up packed, down packed; A8W8 / W4A16: gate_up
-// (packed, scale, colsum / zeros), down (the same)), held alive by the caller; lut fp32 [E, 2] (W4A16: each
+// per expert the data pointers of its prepared weights (float: gate_up packed, down packed; A8W8: gate_up
+// (packed, scale, colsum), down (the same); W4A16: gate_up (packed, scales, zeros, perm), down (the same), perm the
+// act-order perm int64 [K] of that weight or 0 for none), held alive by the caller; lut fp32 [E, 2] (W4A16: each
 // weight's lut_zero); dims = [kind (0 float, 1 A8W8, 2 W4A16), H, I, aux_gu, aux_dn, bf16 weights]: aux = A8W8's
 // KG (packed.size(1)), W4A16's G (scales.size(1)).
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& weights_in,
@@ -105,8 +106,8 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const a
   TORCH_CHECK(weights_in.sizes() == ids_in.sizes() && weights_in.scalar_type() == x_in.scalar_type(),
               "moe_experts: topk_weights must be [T, k] in x's dtype");
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous() &&
-                  table.size(1) == (kind == kFloat ? 2 : 6),
-              "moe_experts: table must be contiguous int64 [E, 2 | 6]");
+                  table.size(1) == 2 * table_stride(kind),
+              "moe_experts: table must be contiguous int64 [E, 2 | 6 | 8] (float | A8W8 | W4A16)");
   TORCH_CHECK(kind != kW4A16 || (lut.scalar_type() == at::kFloat && lut.is_contiguous() && lut.numel() == 2 * table.size(0)),
               "moe_experts: lut must be fp32 [E, 2]");
   TORCH_CHECK(kind == kA8W8 || (H % 2 == 0 && I % 2 == 0), "moe_experts: even H and I");

@@ -6,9 +6,15 @@
 // order (the composed slot's stable argsort): expert e's rows are slots [start_e, start_e + n_e) (make_plan,
 // serial). Then, each split over the team with a barrier between: (1) each token's row prepared once (A8W8:
 // quantized; W4A16 / AVX2 float: widened to fp32, prepare); (2) gathered into its slots (gather_slot; a group of
-// one row reads its token's row in place, group_rows); (3) the gate_up panels of all touched experts
+// one row reads its token's row in place, direct_rows); (3) the gate_up panels of all touched experts
 // (gate_up_item); (4) SwiGLU of every slot and the down GEMM's input prepared (silu_slot); (5) the down panels
 // (down_item); (6) the combine (combine_item).
+//
+// W4A16 experts with a GPTQ act-order perm (each expert's gate_up and down its own, or none): w4a16_linear gathers
+// its fp32 input row into the weight's column order (row[k] = x[perm[k]]), so do these pieces: gather_slot gathers
+// the pair's token row by its expert's gate_up perm (such a slot is never read in place), silu_slot prepares the
+// down GEMM's input by the expert's down perm. The values are the same fp32 numbers in another order: the
+// GEMMs' bits are the standalone op's.
 #pragma once
 
 #include <cstring>
@@ -49,7 +55,11 @@ struct Weight {
   const float* scale;   // A8W8 w_scale, W4A16 scales
   const void* aux;      // A8W8 colsum, W4A16 zeros
   float lut;            // W4A16 lut_zero
+  const int64_t* perm;  // W4A16 act-order perm [K] (nullptr: none)
 };
+
+// Table columns per weight: float (packed), A8W8 (packed, w_scale, colsum), W4A16 (packed, scales, zeros, perm).
+inline int64_t table_stride(int64_t kind) { return kind == kFloat ? 1 : kind == kA8W8 ? 3 : 4; }
 
 // One layer's experts (moe_experts' table, lut and dims) and the layout of its GEMMs' input rows for the
 // activation type XT (sizes of XT passed as xt_bytes).
@@ -82,17 +92,19 @@ struct Experts {
   }
 
   Weight weight(int64_t e, int which) const {   // which 0: gate_up, 1: down
-    const int64_t* row = table + e * cols;
+    const int64_t* row = table + e * cols + table_stride(kind) * which;
     Weight w{};
-    if (kind == kFloat) {
-      w.w = reinterpret_cast<const void*>(row[which]);
-    } else {
-      w.w = reinterpret_cast<const void*>(row[3 * which]);
-      w.scale = reinterpret_cast<const float*>(row[3 * which + 1]);
-      w.aux = reinterpret_cast<const void*>(row[3 * which + 2]);
-      if (kind == kW4A16) w.lut = lut[e * 2 + which];
+    w.w = reinterpret_cast<const void*>(row[0]);
+    if (kind != kFloat) {
+      w.scale = reinterpret_cast<const float*>(row[1]);
+      w.aux = reinterpret_cast<const void*>(row[2]);
     }
+    if (kind == kW4A16) w.lut = lut[e * 2 + which], w.perm = perm(e, which);
     return w;
+  }
+  const int64_t* perm(int64_t e, int which) const {   // a W4A16 weight's act-order perm, or nullptr
+    if (kind != kW4A16) return nullptr;
+    return reinterpret_cast<const int64_t*>(table[e * cols + 4 * which + 3]);
   }
 };
 
@@ -103,7 +115,7 @@ struct Group {
 // The step's (token, expert) pairs per expert, in memory of the caller's (plan_bytes, plan_at).
 struct Plan {
   int64_t Tn, k, S, E, ng;
-  int64_t *sid, *cnt, *fill, *slot_of, *tok_of;
+  int64_t *sid, *cnt, *fill, *slot_of, *tok_of, *exp_of;
   Group* groups;
   char* sw;   // [S] routing weights (in the model dtype) sorted per token by expert
 };
@@ -113,14 +125,15 @@ inline size_t plan_layout(int64_t Tn, int64_t k, int64_t E, size_t sw_bytes, siz
   Offsets o;
   off[0] = o.take(S * 8), off[1] = o.take((E + 1) * 8), off[2] = o.take((E + 1) * 8), off[3] = o.take(S * 8);
   off[4] = o.take(S * 8), off[5] = o.take(std::min(E, S) * sizeof(Group)), off[6] = o.take(S * sw_bytes);
+  off[7] = o.take(S * 8);
   return o.off;
 }
 inline size_t plan_bytes(int64_t Tn, int64_t k, int64_t E, size_t sw_bytes) {
-  size_t off[7];
+  size_t off[8];
   return plan_layout(Tn, k, E, sw_bytes, off);
 }
 inline Plan plan_at(char* base, int64_t Tn, int64_t k, int64_t E, size_t sw_bytes) {
-  size_t off[7];
+  size_t off[8];
   plan_layout(Tn, k, E, sw_bytes, off);
   Plan p{};
   p.Tn = Tn, p.k = k, p.S = Tn * k, p.E = E, p.ng = 0;
@@ -131,6 +144,7 @@ inline Plan plan_at(char* base, int64_t Tn, int64_t k, int64_t E, size_t sw_byte
   p.tok_of = reinterpret_cast<int64_t*>(base + off[4]);
   p.groups = reinterpret_cast<Group*>(base + off[5]);
   p.sw = base + off[6];
+  p.exp_of = reinterpret_cast<int64_t*>(base + off[7]);
   return p;
 }
 
@@ -163,6 +177,7 @@ int64_t make_plan(const int64_t* ids, const T* wts, Plan& p) {
   for (int64_t q = 0; q < S; ++q) {
     p.slot_of[q] = p.fill[p.sid[q]]++;
     p.tok_of[p.slot_of[q]] = q / k;
+    p.exp_of[p.slot_of[q]] = p.sid[q];
   }
   p.ng = 0;
   for (int64_t e = 0; e < E; ++e)
@@ -233,13 +248,17 @@ void gemm(const Experts& ex, int which, const Group& g, const char* rows, const 
   }
 }
 
-// A row of K values of type T -> the GEMM's input row (returns its scale for A8W8).
+// A row of K values of type T -> the GEMM's input row (returns its scale for A8W8); perm: a W4A16 weight's
+// act-order perm (the row gathered into its column order, as w4a16_linear), nullptr for none.
 template <typename T, typename XT>
-float prepare(const Experts& ex, const T* src, int64_t K, int64_t kp, char* dst) {
+float prepare(const Experts& ex, const T* src, int64_t K, int64_t kp, char* dst, const int64_t* perm = nullptr) {
   if (ex.kind == kA8W8) return parts::a8w8_quantize_row<T>(src, K, kp, dst);
   if (ex.kind == kW4A16) {
     float* d = reinterpret_cast<float*>(dst);
-    for (int64_t c = 0; c < K; ++c) d[c] = to_f(src[c]);
+    if (perm)
+      for (int64_t c = 0; c < K; ++c) d[c] = to_f(src[perm[c]]);
+    else
+      for (int64_t c = 0; c < K; ++c) d[c] = to_f(src[c]);
   } else {
     XT* d = reinterpret_cast<XT*>(dst);
     for (int64_t c = 0; c < K; ++c) d[c] = static_cast<XT>(src[c]);
@@ -247,30 +266,45 @@ float prepare(const Experts& ex, const T* src, int64_t K, int64_t kp, char* dst)
   return 1.f;
 }
 
-// (2) slot s's row from its token's prepared row
+// (2) slot s's row from its token's prepared row (W4A16 with an act-order perm: gathered by its expert's gate_up
+// perm; the token row is the widened fp32 row, so this is w4a16_linear's gather of the same values)
 inline void gather_slot(const Experts& ex, const Plan& p, const Bufs& b, int64_t s) {
-  std::memcpy(b.in + s * ex.rb_h, b.tok + p.tok_of[s] * ex.rb_h, ex.rb_h);
+  const char* src = b.tok + p.tok_of[s] * ex.rb_h;
+  if (const int64_t* perm = ex.perm(p.exp_of[s], 0)) {
+    const float* x = reinterpret_cast<const float*>(src);
+    float* d = reinterpret_cast<float*>(b.in + s * ex.rb_h);
+    for (int64_t c = 0; c < ex.H; ++c) d[c] = x[perm[c]];
+  } else {
+    std::memcpy(b.in + s * ex.rb_h, src, ex.rb_h);
+  }
   b.isc[s] = b.tsc[p.tok_of[s]];
 }
-// Whether the step needs the gather: a group of one row reads its token's row in place.
-inline bool needs_gather(const Plan& p) { return p.S > p.ng; }
+// Whether group g's gate_up reads its token's prepared row in place (one row, no gate_up perm) instead of its slot.
+inline bool direct_rows(const Experts& ex, const Group& g) { return g.n == 1 && ex.perm(g.e, 0) == nullptr; }
+// Whether the step needs the gather: some group reads its slots.
+inline bool needs_gather(const Experts& ex, const Plan& p) {
+  for (int64_t i = 0; i < p.ng; ++i)
+    if (!direct_rows(ex, p.groups[i])) return true;
+  return false;
+}
 
 // (3) gate_up work item it of [0, ng * ch_gu)
 template <typename T, typename XT>
 void gate_up_item(const Experts& ex, const Plan& p, const Bufs& b, int64_t it) {
   const Group& g = p.groups[it / ex.ch_gu];
   const int64_t p0 = (it % ex.ch_gu) * kChunk, p1 = std::min(ex.np_gu, p0 + kChunk);
-  const char* rows = g.n == 1 ? b.tok + p.tok_of[g.start] * ex.rb_h : b.in + g.start * ex.rb_h;
-  const float* sc = g.n == 1 ? b.tsc + p.tok_of[g.start] : b.isc + g.start;
+  const bool direct = direct_rows(ex, g);
+  const char* rows = direct ? b.tok + p.tok_of[g.start] * ex.rb_h : b.in + g.start * ex.rb_h;
+  const float* sc = direct ? b.tsc + p.tok_of[g.start] : b.isc + g.start;
   gemm<T, XT>(ex, 0, g, rows, sc, ex.H, ex.kp_h, 2 * ex.I, p0, p1, reinterpret_cast<T*>(b.gu) + g.start * 2 * ex.I);
 }
 
-// (4) SwiGLU of slot s, the down GEMM's input row
+// (4) SwiGLU of slot s, the down GEMM's input row (by its expert's down perm, W4A16 act-order)
 template <typename T, typename XT>
-void silu_slot(const Experts& ex, const Bufs& b, int64_t s) {
+void silu_slot(const Experts& ex, const Plan& p, const Bufs& b, int64_t s) {
   T* act = reinterpret_cast<T*>(b.act) + s * ex.I;
   parts::silu_mul_row<T>(reinterpret_cast<const T*>(b.gu) + s * 2 * ex.I, ex.I, act);
-  b.asc[s] = prepare<T, XT>(ex, act, ex.I, ex.kp_i, b.ain + s * ex.rb_i);
+  b.asc[s] = prepare<T, XT>(ex, act, ex.I, ex.kp_i, b.ain + s * ex.rb_i, ex.perm(p.exp_of[s], 1));
 }
 
 // (5) down work item it of [0, ng * ch_dn)
