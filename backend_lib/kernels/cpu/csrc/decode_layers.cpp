@@ -348,11 +348,8 @@ inline void prep_row(const Lin& lin, const T* src, int64_t r, char* xu, float* s
     std::memcpy(dst, src, lin.xbytes);
     return;
   }
-  float* d = reinterpret_cast<float*>(dst);   // W4A16, and a float linear's fp32 rows (widened: exact)
-  if (lin.perm)   // w4a16_linear's gather into the weight's column order (GPTQ act-order)
-    for (int64_t c = 0; c < lin.K; ++c) d[c] = to_f(src[lin.perm[c]]);
-  else
-    for (int64_t c = 0; c < lin.K; ++c) d[c] = to_f(src[c]);
+  // W4A16 (gathered by its act-order perm, if any), and a float linear's fp32 rows (widened: exact)
+  moe::widen_row(src, lin.K, lin.perm, reinterpret_cast<float*>(dst));
 }
 
 // Output panels [p0, p1) of a float linear for the Tn prepared rows xu (prep_row): float_linear's panels.

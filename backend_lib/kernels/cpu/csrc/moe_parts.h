@@ -99,12 +99,12 @@ struct Experts {
       w.scale = reinterpret_cast<const float*>(row[1]);
       w.aux = reinterpret_cast<const void*>(row[2]);
     }
-    if (kind == kW4A16) w.lut = lut[e * 2 + which], w.perm = perm(e, which);
+    if (kind == kW4A16) w.lut = lut[e * 2 + which], w.perm = reinterpret_cast<const int64_t*>(row[3]);
     return w;
   }
   const int64_t* perm(int64_t e, int which) const {   // a W4A16 weight's act-order perm, or nullptr
     if (kind != kW4A16) return nullptr;
-    return reinterpret_cast<const int64_t*>(table[e * cols + 4 * which + 3]);
+    return reinterpret_cast<const int64_t*>(table[e * cols + table_stride(kind) * which + 3]);
   }
 };
 
@@ -248,17 +248,24 @@ void gemm(const Experts& ex, int which, const Group& g, const char* rows, const 
   }
 }
 
+// K values of type T widened to fp32 (exact), gathered into a W4A16 weight's column order by its GPTQ act-order perm
+// (d[c] = src[perm[c]], w4a16_linear's gather; perm nullptr: none): the one copy of that loop (prepare, gather_slot,
+// decode_layers.cpp's prep_row).
+template <typename T>
+inline void widen_row(const T* src, int64_t K, const int64_t* perm, float* d) {
+  if (perm)
+    for (int64_t c = 0; c < K; ++c) d[c] = to_f(src[perm[c]]);
+  else
+    for (int64_t c = 0; c < K; ++c) d[c] = to_f(src[c]);
+}
+
 // A row of K values of type T -> the GEMM's input row (returns its scale for A8W8); perm: a W4A16 weight's
 // act-order perm (the row gathered into its column order, as w4a16_linear), nullptr for none.
 template <typename T, typename XT>
 float prepare(const Experts& ex, const T* src, int64_t K, int64_t kp, char* dst, const int64_t* perm = nullptr) {
   if (ex.kind == kA8W8) return parts::a8w8_quantize_row<T>(src, K, kp, dst);
   if (ex.kind == kW4A16) {
-    float* d = reinterpret_cast<float*>(dst);
-    if (perm)
-      for (int64_t c = 0; c < K; ++c) d[c] = to_f(src[perm[c]]);
-    else
-      for (int64_t c = 0; c < K; ++c) d[c] = to_f(src[c]);
+    widen_row(src, K, perm, reinterpret_cast<float*>(dst));
   } else {
     XT* d = reinterpret_cast<XT*>(dst);
     for (int64_t c = 0; c < K; ++c) d[c] = static_cast<XT>(src[c]);
@@ -271,9 +278,7 @@ float prepare(const Experts& ex, const T* src, int64_t K, int64_t kp, char* dst,
 inline void gather_slot(const Experts& ex, const Plan& p, const Bufs& b, int64_t s) {
   const char* src = b.tok + p.tok_of[s] * ex.rb_h;
   if (const int64_t* perm = ex.perm(p.exp_of[s], 0)) {
-    const float* x = reinterpret_cast<const float*>(src);
-    float* d = reinterpret_cast<float*>(b.in + s * ex.rb_h);
-    for (int64_t c = 0; c < ex.H; ++c) d[c] = x[perm[c]];
+    widen_row(reinterpret_cast<const float*>(src), ex.H, perm, reinterpret_cast<float*>(b.in + s * ex.rb_h));
   } else {
     std::memcpy(b.in + s * ex.rb_h, src, ex.rb_h);
   }
