@@ -10,6 +10,7 @@ from .contract.fields import SamplingLimits
 
 
 LM_HEAD_QUANTS = ("checkpoint", "int8", "int4")
+GREEDY_HEADS = ("auto", "int8", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -35,6 +36,9 @@ class EngineConfig:
     tq_seed: int = 0
     kernels: str = "auto"                  # auto | reference | cpu | triton | npu
     lm_head_quant: str = "checkpoint"      # checkpoint (the head as stored) | int8 (per channel, A8W8) | int4 (group 128, W4A16)
+    # plain-greedy rows picked through an int8 screen of the checkpoint's float head, the same tokens (half the
+    # head's bytes a step: layers/greedy_head.py) | off; auto: int8 on the CPU set with lm_head_quant checkpoint
+    greedy_head: str = "auto"
     kernel_cache_dir: str | None = None
     cuda_graphs: bool = True               # decode and [spec] verification from CUDA graphs (CUDA + Triton)
     num_threads: int | None = None         # default: one per core of cpu_cores, else torch's
@@ -137,6 +141,14 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be > 1, got {self.max_model_len}")
         if self.lm_head_quant not in LM_HEAD_QUANTS:
             raise ValueError(f"lm_head_quant: {self.lm_head_quant!r} is not one of {', '.join(LM_HEAD_QUANTS)}")
+        if self.greedy_head not in GREEDY_HEADS:
+            raise ValueError(f"greedy_head: {self.greedy_head!r} is not one of {', '.join(GREEDY_HEADS)}")
+        if self.greedy_head == "int8" and self.lm_head_quant != "checkpoint":
+            raise ValueError(f"greedy_head: int8 screens the checkpoint's float head; lm_head_quant is "
+                             f"{self.lm_head_quant!r} (the head is quantized itself)")
+        if self.greedy_head == "int8" and self.tensor_parallel_size > 1:
+            raise ValueError("greedy_head: int8 is not supported with tensor_parallel_size > 1 (each rank holds "
+                             "a slice of the head); use auto or off")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r} is not one of "
                              f"{', '.join(SCHEDULING_POLICIES)}")

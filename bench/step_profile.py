@@ -90,6 +90,12 @@ class OpTimer:
                 label, nbytes = self.labels.get(id(prepared), (op, 0))
                 return self._timed(f"GEMV {label}", lambda: fn(x, prepared, *a), nbytes)
             return call
+        if op == "float_linear_rows":   # a screened head's candidates: one 64-byte line per k-pair of each row
+            def rows(x, prepared, ids):
+                label, _ = self.labels.get(id(prepared), ("float_linear", 0))
+                lines = prepared[0].shape[1] if isinstance(prepared, tuple) else x.shape[-1]
+                return self._timed(f"GEMV {label}: candidate rows", lambda: fn(x, prepared, ids), ids.numel() * lines * 64)
+            return rows
         return lambda *a, **k: self._timed(op, lambda: fn(*a, **k))
 
     def install(self) -> None:
@@ -410,12 +416,15 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--lm-head-quant", default="checkpoint", help="checkpoint (the head as stored), int8 or int4 "
                     "(EngineConfig.lm_head_quant: the heads the MoE group's engines run)")
+    ap.add_argument("--greedy-head", default="auto", help="auto / int8 / off (EngineConfig.greedy_head: the int8 screen "
+                    "of a float head's greedy rows; auto: on with the checkpoint's head on the CPU set)")
     args = ap.parse_args()
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
 
     eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="256MiB", max_model_len=1100,
-                                 max_num_seqs=1, enable_prefix_caching=False, lm_head_quant=args.lm_head_quant))
+                                 max_num_seqs=1, enable_prefix_caching=False, lm_head_quant=args.lm_head_quant,
+                                 greedy_head=args.greedy_head))
     if args.ab_steps:
         res = []
         for t in [int(t) for t in args.threads.split(",")]:

@@ -12,7 +12,8 @@ from ..checkpoint import WeightStore
 from ..kv_cache import allocate_kv_cache
 from ..kv_cache.metadata import AttentionMetadata
 from ..models import Qwen3ForCausalLM
-from ..sampling.sampler import Sampler
+from ..layers.greedy_head import ScreenedHead
+from ..sampling.sampler import Sample, Sampler, plain_greedy
 from ..spec.decoder import SpecDecoder
 from .cuda_graphs import DecodeGraphs, VerifyGraphs, step_rows
 from .sequence import Sequence
@@ -20,6 +21,14 @@ from .step import PromptLogprobs, StepPlan, StepResult
 from .warmup import CudaMemory, kv_budget_after_warmup, warm_up
 
 log = logging.getLogger(__name__)
+
+
+def greedy_head_of(cfg, kernels) -> str:
+    """EngineConfig.greedy_head resolved for a kernel set: auto is the int8 screen on the CPU set (whose
+    float_linear_rows reads only the candidates' rows) with the checkpoint's head, else off."""
+    if cfg.greedy_head == "auto":
+        return "int8" if kernels.name == "cpu" and cfg.lm_head_quant == "checkpoint" else "off"
+    return cfg.greedy_head
 
 
 class InjectedFault(RuntimeError):
@@ -38,7 +47,8 @@ class ModelRunner:
                                                                max_model_len)
         else:
             self.model = Qwen3ForCausalLM.from_checkpoint(WeightStore(cfg.checkpoint), model_config, scheme, dtype,
-                                                          device, kernels, max_model_len, cfg.lm_head_quant)
+                                                          device, kernels, max_model_len, cfg.lm_head_quant,
+                                                          greedy_head_of(cfg, kernels))
             # CUDA: the widest prefill and decode run first, then the pool is sized from what is free (warmup.py)
             memory = memory if memory is not None else (CudaMemory(device) if device.type == "cuda" else None)
             nbytes = None
@@ -188,12 +198,22 @@ class ModelRunner:
             result.prompt_logprobs = self._prompt_logprobs(steps, hidden)
             if not seqs:
                 return result
+            if self.screened(seqs):   # plain-greedy rows: their tokens without the whole head product
+                picks = self.model.lm_head.greedy_picks(hidden[rows])
+                if picks is not None:
+                    result.samples = [(seq, Sample(t)) for seq, t in zip(seqs, picks)]
+                    return result
             logits = self.model.logits(hidden[rows])
         # [spec] a verifying sequence's k + 1 rows go back unsampled, as (seq, VerifyRows) after the sampled rows
         # (the engine's acceptance samples them one by one, through sample() below)
         logits, seqs, verify = SpecDecoder.split_rows(logits, seqs)
         result.samples = (list(zip(seqs, self.sample(logits, seqs))) if seqs else []) + verify
         return result
+
+    def screened(self, seqs: list[Sequence]) -> bool:
+        """Whether a step's sampled rows are all plain greedy (no verification rows) and the head screens them."""
+        return (isinstance(self.model.lm_head, ScreenedHead) and not any(s.spec_tokens for s in seqs)
+                and all(plain_greedy(s) for s in seqs))
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """A step's rows sampled where they are (the one sampling path of decode rows and verification rows)."""

@@ -66,6 +66,20 @@ class Kernels:
     # (shape, dtype) -> a zero tensor for a large buffer this set streams every step (the KV pools), on this set's
     #  device; the CPU set's is on transparent huge pages (csrc/memory.cpp); None: torch.zeros on the device
     stream_zeros: Callable | None = None
+    # (x [M, K], prepared float weight, ids int64 [C]) -> fp32 [M, C]: float_linear(x, prepared, fp32)[:, ids], the
+    # same bits, reading only those rows (a screened greedy head's candidates: layers/greedy_head.py); None: the
+    # whole product, indexed
+    float_linear_rows: Callable | None = None
+    # (A fp32 [B, N], C fp32 [N], D fp32 [N], terms fp32 [B, 3] (s_x, |x|_2, eps, with the margin), coef, limit) ->
+    # (ids int64, counts int64 [B]): a screened greedy head's candidates per row, ascending, concatenated; count -1
+    # where a row cannot be certified (layers/greedy_head.py has the bound); None: the same formula in torch ops
+    greedy_screen: Callable | None = None
+
+    def linear_rows(self, x, prepared, ids):
+        """float_linear(x, prepared, fp32)[:, ids] through the set's float_linear_rows where it has one."""
+        if self.float_linear_rows is not None:
+            return self.float_linear_rows(x, prepared, ids)
+        return self.float_linear(x, prepared, torch.float32).index_select(-1, ids)
 
     def zeros(self, shape, dtype, device):
         """A zero tensor for a buffer streamed every step (KV pools): the set's stream_zeros, else torch.zeros."""

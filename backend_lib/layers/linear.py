@@ -99,10 +99,10 @@ def _to(w: Int4Weight, device) -> Int4Weight:
                       None if w.perm is None else w.perm.to(device))
 
 
-def quantize_linear(weight: torch.Tensor, kernels: Kernels, rows_per_chunk: int = 8192) -> A8W8Linear:
-    """A8W8Linear of a float weight [N, K]: symmetric per-channel int8, s_n = max|w_n| / 127,
+def int8_rows(weight: torch.Tensor, rows_per_chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], s fp32 [N]) of a float weight: symmetric per-channel int8, s_n = max|w_n| / 127,
     q = round_half_even(w / s_n) (the activations' rule, per output row), in chunks of rows so the fp32
-    transient stays small (`lm_head_quant: int8`)."""
+    transient stays small."""
     from ..kernels.reference import quantize_per_token
 
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
@@ -110,7 +110,12 @@ def quantize_linear(weight: torch.Tensor, kernels: Kernels, rows_per_chunk: int 
     for r in range(0, weight.shape[0], rows_per_chunk):
         q[r:r + rows_per_chunk], s = quantize_per_token(weight[r:r + rows_per_chunk])
         scale[r:r + rows_per_chunk] = s.reshape(-1)
-    return A8W8Linear(q, scale, kernels)
+    return q, scale
+
+
+def quantize_linear(weight: torch.Tensor, kernels: Kernels, rows_per_chunk: int = 8192) -> A8W8Linear:
+    """A8W8Linear of a float weight [N, K] in int8_rows' form (`lm_head_quant: int8`)."""
+    return A8W8Linear(*int8_rows(weight, rows_per_chunk), kernels)
 
 
 INT4_HEAD_GROUP = 128
@@ -132,17 +137,22 @@ def int4_head_weight(weight: torch.Tensor, rows_per_chunk: int = 8192) -> Int4We
     return Int4Weight(codes, scales, torch.full_like(scales, 8), group, None)
 
 
-def make_head(weight: torch.Tensor, kernels: Kernels, lm_head_quant: str) -> nn.Module:
+def make_head(weight: torch.Tensor, kernels: Kernels, lm_head_quant: str, greedy_head: str = "off") -> nn.Module:
     """The lm_head module of a float weight [vocab rows, hidden] for EngineConfig.lm_head_quant: 'checkpoint'
     (the weight as stored: FloatLinear, which also serves a tied embedding's rows), 'int8' (per channel, the
     A8W8 kernel) or 'int4' (per group of 128, the W4A16 kernel). The quantized ones quantize each row on its
-    own, so a tensor-parallel rank's rows quantize as they do at TP = 1."""
+    own, so a tensor-parallel rank's rows quantize as they do at TP = 1. greedy_head 'int8' (with the checkpoint's
+    head): a ScreenedHead, the same FloatLinear plus an int8 screen of its greedy rows (layers/greedy_head.py)."""
     if lm_head_quant == "int8":
         return quantize_linear(weight, kernels)
     if lm_head_quant == "int4":
         return W4A16Linear(int4_head_weight(weight), kernels)
     if lm_head_quant != "checkpoint":
         raise ValueError(f"lm_head_quant: {lm_head_quant!r} is not supported")
+    if greedy_head == "int8":
+        from .greedy_head import ScreenedHead
+
+        return ScreenedHead(weight, kernels)
     return FloatLinear(weight, kernels)
 
 

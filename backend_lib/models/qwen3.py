@@ -115,9 +115,10 @@ class Qwen3ForCausalLM(nn.Module):
     @classmethod
     def from_checkpoint(cls, store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
                         device: torch.device, kernels: Kernels, max_positions: int,
-                        lm_head_quant: str = "checkpoint") -> "Qwen3ForCausalLM":
+                        lm_head_quant: str = "checkpoint", greedy_head: str = "off") -> "Qwen3ForCausalLM":
         """lm_head_quant: 'checkpoint' (the head as the checkpoint stores it), 'int8' or 'int4' (quantized at
-        load: layers/linear.py make_head; a tied embedding then keeps its own float rows)."""
+        load: layers/linear.py make_head; a tied embedding then keeps its own float rows). greedy_head 'int8': the
+        checkpoint's head with an int8 screen of its greedy rows (layers/greedy_head.py)."""
         t0 = time.time()
         hid, d = cfg.hidden_size, cfg.head_dim
         h, kvh, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
@@ -131,7 +132,7 @@ class Qwen3ForCausalLM(nn.Module):
         # at once, and with tied embeddings that is the largest tensor of a small model.
         def head(name):
             w = dense(name, (cfg.vocab_size, hid), keep=False)
-            return make_head(w, kernels, lm_head_quant)
+            return make_head(w, kernels, lm_head_quant, greedy_head)
 
         if store.has("lm_head.weight"):
             if scheme is not None and scheme.is_quantized("lm_head"):

@@ -40,7 +40,7 @@ from .structured import apply_mask
 log = logging.getLogger(__name__)
 
 __all__ = ["GRAMMAR_BLOCKED", "Sample", "SampleError", "Sampler", "SamplingMetadata", "greedy_picks",
-           "nonfinite_rows", "plain_greedy_picks"]
+           "nonfinite_rows", "plain_greedy", "plain_greedy_picks"]
 
 
 @dataclass
@@ -83,7 +83,7 @@ def _nonfinite_message(row: torch.Tensor) -> str:
     return f"the model produced a non-finite logit ({row[~torch.isfinite(row)][0].item()}) for this request"
 
 
-def _plain_greedy(s) -> bool:
+def plain_greedy(s) -> bool:
     """A row the pipeline would only argmax: greedy, no penalty, no min_tokens block, no token mask, no grammar,
     no logprobs."""
     p = s.params
@@ -182,7 +182,7 @@ class Sampler:
         verification) sequence i has len(drafts[i]) + 1 rows in position order (SamplingMetadata.build)."""
         if sync_free is None:
             sync_free = logits.device.type != "cpu"
-        if drafts is None and not sync_free and all(_plain_greedy(s) for s in seqs):
+        if drafts is None and not sync_free and all(plain_greedy(s) for s in seqs):
             return self._plain_greedy_step(logits.float(), seqs)
         return self.sample(logits, self.metadata(seqs, logits.shape[-1], drafts), sync_free)
 

@@ -63,6 +63,8 @@ def load(cache_dir=None) -> Kernels | None:
         float_prepare=lambda w: (ops.float_pack(w), w.shape[0], w.shape[1]),
         float_linear=lambda x, p, out_dtype=None: ops.float_linear(x, p[0], p[1], out_dtype),
         float_rows=lambda p, ids: ops.float_packed_rows(p[0], ids, p[2]),
+        float_linear_rows=lambda x, p, ids: ops.float_linear_rows(x, p[0], p[1], ids),
+        greedy_screen=ops.greedy_screen,
         write_kv=ops.write_kv,
         paged_attention=ops.paged_attention,
         tq_write=ops.tq_write,

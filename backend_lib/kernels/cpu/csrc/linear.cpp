@@ -299,8 +299,12 @@ at::Tensor float_packed_rows(const at::Tensor& packed, const at::Tensor& ids_in,
   return out;
 }
 
-at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
-                        c10::optional<at::ScalarType> out_dtype) {
+namespace {
+
+// x [..., K] as the panel kernels read it: [M, Kp] rows, zero padded to the packed pairs, and (AVX2 builds) bf16
+// widened to fp32, after the checks of x against a float_pack weight of N rows. float_linear and float_linear_rows
+// share it, so both hand the kernels the same x.
+at::Tensor kernel_x(const at::Tensor& x_in, const at::Tensor& packed, int64_t N) {
   check_float_dtype(x_in, "x");
   check_float_dtype(packed, "packed");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kPanel,
@@ -313,7 +317,48 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_
   // bf16 -> fp32 is exact: widening x once makes every broadcast in the AVX2 kernels a plain load
   if (x.scalar_type() == at::kBFloat16) x = x.to(at::kFloat);
 #endif
-  const int64_t M = x.size(0);
+  return x;
+}
+
+}  // namespace
+
+// fp32 y [M, C] = float_linear(x, packed, N, fp32)[:, ids], the same bits: the rows `ids` are gathered from their
+// panels into panels of their own (row c of the gather at lane c % 64), and every lane of a panel runs the same
+// arithmetic, whatever its lane (layers/greedy_head.py relies on it). Reads ~KG cache lines per id (its 4 bytes of
+// each k-pair line), so it pays for a few thousand rows at most.
+at::Tensor float_linear_rows(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, const at::Tensor& ids_in) {
+  auto x = kernel_x(x_in, packed, N);
+  const int64_t M = x.size(0), KG = packed.size(1), A = packed.size(3), Kp = KG * A;
+  auto ids = ids_in.to(at::kLong).contiguous();
+  const int64_t C = ids.numel();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t c = 0; c < C; ++c) TORCH_CHECK(ip[c] >= 0 && ip[c] < N, "row id ", ip[c], " out of range");
+  auto y = at::empty({M, C}, x.options().dtype(at::kFloat));
+  if (M == 0 || C == 0) return y;
+  auto rows = at::zeros({(C + kPanel - 1) / kPanel, KG, kPanel, A}, packed.options());
+  const int64_t line = A * packed.element_size();   // bytes of one row's k-pair (or k)
+  const char* src = static_cast<const char*>(packed.data_ptr());
+  char* dst = static_cast<char*>(rows.data_ptr());
+  at::parallel_for(0, C, 16, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t p = ip[c] / kPanel, r = ip[c] % kPanel, dp = c / kPanel, dr = c % kPanel;
+      for (int64_t g = 0; g < KG; ++g)
+        std::memcpy(dst + ((dp * KG + g) * kPanel + dr) * line, src + ((p * KG + g) * kPanel + r) * line, line);
+    }
+  });
+  QK_DISPATCH_FLOAT(x.scalar_type(), "float_linear_rows", [&] {
+    using XT = scalar_t;
+    QK_DISPATCH_FLOAT(packed.scalar_type(), "float_linear_rows", [&] {
+      linear_impl<XT, scalar_t, float>(x.data_ptr<XT>(), Kp, rows.data_ptr<scalar_t>(), y.data_ptr<float>(), M, C);
+    });
+  });
+  return y;
+}
+
+at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
+                        c10::optional<at::ScalarType> out_dtype) {
+  auto x = kernel_x(x_in, packed, N);
+  const int64_t Kp = packed.size(1) * packed.size(3), M = x.size(0);
   auto odt = out_dtype.value_or(x_in.scalar_type());
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;

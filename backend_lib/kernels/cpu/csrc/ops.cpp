@@ -6,6 +6,9 @@ TORCH_LIBRARY(qwen3_cpu, m) {
   m.def("float_pack(Tensor w) -> Tensor", &qk::float_pack);
   m.def("float_packed_rows(Tensor packed, Tensor ids, int K) -> Tensor", &qk::float_packed_rows);
   m.def("float_linear(Tensor x, Tensor packed, int N, ScalarType? out_dtype=None) -> Tensor", &qk::float_linear);
+  m.def("float_linear_rows(Tensor x, Tensor packed, int N, Tensor ids) -> Tensor", &qk::float_linear_rows);
+  m.def("greedy_screen(Tensor a, Tensor c, Tensor d, Tensor terms, float coef, int limit) -> (Tensor, Tensor)",
+        &qk::greedy_screen);
   m.def("a8w8_pack(Tensor w_q) -> Tensor", &qk::a8w8_pack);
   m.def("a8w8_colsum(Tensor w_q) -> Tensor", &qk::a8w8_colsum);
   m.def("a8w8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor colsum) -> Tensor", &qk::a8w8_linear);

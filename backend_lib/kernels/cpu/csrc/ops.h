@@ -7,6 +7,9 @@
 namespace qk {
 at::Tensor float_pack(const at::Tensor& w);
 at::Tensor float_packed_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t K);
+at::Tensor float_linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& ids);
+std::tuple<at::Tensor, at::Tensor> greedy_screen(const at::Tensor& a, const at::Tensor& c, const at::Tensor& d,
+                                                 const at::Tensor& terms, double coef, int64_t limit);
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                         c10::optional<at::ScalarType> out_dtype);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
