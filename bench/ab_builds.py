@@ -31,13 +31,12 @@ def worker(checkpoint: str) -> None:
 
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
-    from bench.step_profile import stream_read_gbs
+    from bench.step_profile import decode_weight_mb, stream_read_gbs
     from bench.workers.common import prompts
 
     eng = LLMEngine(EngineConfig(checkpoint=checkpoint, kv_cache_memory="1GiB", max_model_len=4096, max_num_seqs=16,
                                  enable_prefix_caching=False))
-    mb = sum(t.numel() * t.element_size() for m in eng.runner.model.modules()
-             for t in (getattr(m, "prepared", None) or ()) if isinstance(t, torch.Tensor)) / 1e6
+    mb = decode_weight_mb(eng.runner.model)
     print(json.dumps({"ready": True, "mb_per_token": mb}), flush=True)
     n = 0
     for line in sys.stdin:

@@ -172,11 +172,10 @@ def workload(name, off, on, prompts, tokens, rounds):
 
 
 def weight_mb(engine) -> float:
-    """Bytes read per decode token as bench.ab_builds counts them (the prepared weights of every linear)."""
-    import torch
+    """Bytes read per decode token as bench.ab_builds counts them (step_profile.decode_weight_mb)."""
+    from bench.step_profile import decode_weight_mb
 
-    return sum(t.numel() * t.element_size() for m in engine.runner.model.modules()
-               for t in (getattr(m, "prepared", None) or ()) if isinstance(t, torch.Tensor)) / 1e6
+    return decode_weight_mb(engine.runner.model)
 
 
 def main(argv=None) -> int:

@@ -31,6 +31,18 @@ ROOT = Path(__file__).resolve().parent.parent
 LINEAR_OPS = ("a8w8_linear", "float_linear", "w4a16_linear")
 
 
+def decode_weight_mb(model) -> float:
+    """MB of weights a plain-greedy batch-1 decode step reads: every linear's prepared weight, except that a
+    screened greedy head (layers/greedy_head.py) reads its int8 screen (a module of its own, counted) and only its
+    candidates' rows of the float weight (not counted: a few hundred KB)."""
+    import torch
+
+    from backend_lib.layers.greedy_head import ScreenedHead
+
+    return sum(t.numel() * t.element_size() for m in model.modules() if not isinstance(m, ScreenedHead)
+               for t in (getattr(m, "prepared", None) or ()) if isinstance(t, torch.Tensor)) / 1e6
+
+
 def stream_read_gbs(threads: int, gib: float = 1.0, repeats: int = 5, huge: bool = True) -> float:
     """Best of `repeats` sums over `gib` GiB of fp32 on `threads` threads: the read bandwidth the machine gives.
 

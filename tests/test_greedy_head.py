@@ -171,6 +171,28 @@ def test_greedy_ids_are_the_unscreened_engines_alone_and_batched(a8w8_ckpt, bf16
         assert mixed[1]["output_ids"] == off.generate(prompts[1:2], sampled)[0]["output_ids"]
 
 
+def test_verification_rows_are_screened_and_the_ids_are_plain_greedys(bf16_ckpt):
+    """[spec] a verifying sequence's k + 1 rows picked through the screen: the accepted runs and the ids are those
+    of plain decoding with the whole head (greedy_head: off, no speculation), alone and batched."""
+    import json
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 2})
+    on = make_engine(bf16_ckpt, speculative_config=spec)
+    off = make_engine(bf16_ckpt, greedy_head="off")
+    prompts = [on.tokenizer.encode(t) for t in ("a b a b a b a b a b a b", "1, 2, 3, 1, 2, 3, 1, 2, 3", "Hello")]
+    params = on.make_params({"temperature": 0, "max_tokens": 40, "ignore_eos": True})
+    want = [o["output_ids"] for o in off.generate(prompts, params)]
+    assert [o["output_ids"] for o in on.generate(prompts, params)] == want
+    assert [on.generate([p], params)[0]["output_ids"] for p in prompts] == want
+    stats, spec_stats = on.runner.model.lm_head.stats, on.stats
+    assert spec_stats.spec_num_accepted_tokens > 0, "no draft accepted: no verification was screened"
+    generated = 2 * sum(len(w) for w in want)
+    # every step screened: a row per token of plain decode, k + 1 per verification (rejected rows too); with the
+    # verifications unscreened the rows would be the tokens less the accepted runs
+    assert stats["fallbacks"] == 0 and stats["rows"] >= generated
+
+
 def test_greedy_head_config_is_validated():
     from backend_lib.config import EngineConfig
 

@@ -198,10 +198,11 @@ class ModelRunner:
             result.prompt_logprobs = self._prompt_logprobs(steps, hidden)
             if not seqs:
                 return result
-            if self.screened(seqs):   # plain-greedy rows: their tokens without the whole head product
+            if self.screened(seqs):   # plain-greedy rows ([spec] verification rows too): no whole head product
                 picks = self.model.lm_head.greedy_picks(hidden[rows])
                 if picks is not None:
-                    result.samples = [(seq, Sample(t)) for seq, t in zip(seqs, picks)]
+                    plain, verify = SpecDecoder.split_picks([Sample(t) for t in picks], seqs)
+                    result.samples = plain + verify
                     return result
             logits = self.model.logits(hidden[rows])
         # [spec] a verifying sequence's k + 1 rows go back unsampled, as (seq, VerifyRows) after the sampled rows
@@ -211,9 +212,9 @@ class ModelRunner:
         return result
 
     def screened(self, seqs: list[Sequence]) -> bool:
-        """Whether a step's sampled rows are all plain greedy (no verification rows) and the head screens them."""
-        return (isinstance(self.model.lm_head, ScreenedHead) and not any(s.spec_tokens for s in seqs)
-                and all(plain_greedy(s) for s in seqs))
+        """Whether a step's sampled rows (a verifying sequence's k + 1 among them) are all plain greedy and the head
+        screens them."""
+        return isinstance(self.model.lm_head, ScreenedHead) and all(plain_greedy(s) for s in seqs)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """A step's rows sampled where they are (the one sampling path of decode rows and verification rows)."""

@@ -150,8 +150,10 @@ class SpecCounters:
 
 @dataclass
 class VerifyRows:
-    """A verification row group of one sequence: fp32 logits [k + 1, vocab] for its last token + k drafts."""
-    logits: torch.Tensor
+    """A verification row group of one sequence: fp32 logits [k + 1, vocab] for its last token + k drafts, or, from
+    a screened greedy head (layers/greedy_head.py), the k + 1 samples plain greedy takes there (logits None)."""
+    logits: torch.Tensor | None
+    picks: list | None = None
 
 
 class SpecDecoder:
@@ -202,23 +204,41 @@ class SpecDecoder:
 
     # ----- in the runner: the step's logits rows ----------------------------------------------------------
     @staticmethod
-    def split_rows(logits: torch.Tensor, seqs: list):
-        """Rows of sampled sequences in step order, a verifying sequence's k + 1 rows consecutive: the plain
-        rows (logits, seqs) for the sampler, and [(seq, VerifyRows)] for the verification."""
-        if not any(s.spec_tokens for s in seqs):
-            return logits, seqs, []
-        keep, plain, verify, i = [], [], [], 0
+    def row_groups(seqs: list):
+        """(first row, rows, seq) of each sampled sequence in step order: one row, or a verifying one's k + 1
+        consecutive rows (seqs holds the sequence once per row)."""
+        i = 0
         while i < len(seqs):
             s = seqs[i]
+            m = len(s.spec_tokens) + 1 if s.spec_tokens else 1
+            yield i, m, s
+            i += m
+
+    @staticmethod
+    def split_rows(logits: torch.Tensor, seqs: list):
+        """The plain rows (logits, seqs) for the sampler, and [(seq, VerifyRows)] for the verification."""
+        if not any(s.spec_tokens for s in seqs):
+            return logits, seqs, []
+        keep, plain, verify = [], [], []
+        for i, m, s in SpecDecoder.row_groups(seqs):
             if s.spec_tokens:
-                m = len(s.spec_tokens) + 1
                 verify.append((s, VerifyRows(logits[i:i + m])))
-                i += m
             else:
                 keep.append(i)
                 plain.append(s)
-                i += 1
         return logits[keep], plain, verify
+
+    @staticmethod
+    def split_picks(picks: list, seqs: list):
+        """split_rows for a step whose rows a screened greedy head has picked (a Sample per row): [(seq, Sample)] of
+        the plain rows and [(seq, VerifyRows(None, its k + 1 samples))]."""
+        plain, verify = [], []
+        for i, m, s in SpecDecoder.row_groups(seqs):
+            if s.spec_tokens:
+                verify.append((s, VerifyRows(None, picks[i:i + m])))
+            else:
+                plain.append((s, picks[i]))
+        return plain, verify
 
     # ----- after the forward: acceptance ------------------------------------------------------------------
     def verify(self, seq, rows: VerifyRows, sample, process) -> tuple[list, int]:
@@ -230,7 +250,8 @@ class SpecDecoder:
         logits = rows.logits
         outputs, accepted = [], 0
         for i in range(k + 1):
-            s = sample(logits[i:i + 1], seq)
+            # picked rows: a plain-greedy sequence stays one at every position (its min_tokens only passes)
+            s = sample(logits[i:i + 1], seq) if rows.picks is None else rows.picks[i]
             out = process(seq, s)
             outputs.append(out)
             if out.finished or i == k or s.token_id != drafts[i]:
