@@ -177,7 +177,7 @@ def test_verification_rows_are_screened_and_the_ids_are_plain_greedys(bf16_ckpt)
     import json
 
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-                       "prompt_lookup_min": 2})
+                       "prompt_lookup_min": 2, "auto_disable_from_batch": None})
     on = make_engine(bf16_ckpt, speculative_config=spec)
     off = make_engine(bf16_ckpt, greedy_head="off")
     prompts = [on.tokenizer.encode(t) for t in ("a b a b a b a b a b a b", "1, 2, 3, 1, 2, 3, 1, 2, 3", "Hello")]

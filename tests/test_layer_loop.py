@@ -494,7 +494,8 @@ def test_ngram_speculation_runs_its_verifications_in_the_region(a8w8_ckpt):
 
     from spec_helpers import GREEDY, PROMPTS, compare_spec
 
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+            "auto_disable_from_batch": None}   # gate off: drafts counted here (test_spec_gate.py)
     off = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
     on = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256,
                      speculative_config=json.dumps(spec))
@@ -607,7 +608,8 @@ def test_eagle3_steps_run_in_the_region_with_the_ids_of_speculation_off(a8w8_ckp
     from spec_helpers import GREEDY, PROMPTS, SEEDED, compare_spec
 
     head = build_head(a8w8_ckpt, tmp_path / "copy", copy=True)
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0}
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0,
+            "auto_disable_from_batch": None}
     off = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256)
     on = make_engine(a8w8_ckpt, dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256,
                      speculative_config=json.dumps(spec))

@@ -12,7 +12,8 @@ from backend_lib.spec import parse_speculative_config, propose_ngram
 from backend_lib.spec.ngram import NgramProposer
 from helpers import make_engine
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+        "auto_disable_from_batch": None}   # gate off: drafts counted here (test_spec_gate.py)
 # prompts whose greedy and low-temperature continuations (random demo weights) fall into loops early
 PROMPTS = ["Hello, world!", "a b a b a b a b a b a b", "介绍一下北京故宫", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3"]
 

@@ -16,7 +16,8 @@ from spec_helpers import GREEDY, PROMPTS, SEEDED, compare_spec, spec_ids
 
 
 def _draft(model, k=4, **kw):
-    return json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": k, **kw})
+    return json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": k,
+                       "auto_disable_from_batch": None, **kw})   # gate off: drafts counted here (test_spec_gate.py)
 
 
 @pytest.fixture(scope="module")

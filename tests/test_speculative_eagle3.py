@@ -26,7 +26,8 @@ SEEDED = {"temperature": 0.3, "top_p": 0.95, "top_k": 50, "seed": 11, "max_token
 
 
 def spec(head, k=3, **kw):
-    return json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": k, **kw})
+    return json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": k,
+                       "auto_disable_from_batch": None, **kw})   # gate off: drafts counted here (test_spec_gate.py)
 
 
 @pytest.fixture(scope="module")

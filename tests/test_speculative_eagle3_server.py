@@ -26,7 +26,8 @@ def server(tmp_path_factory, a8w8_ckpt, bf16_ckpt):
     head = build_head(a8w8_ckpt, root / "head", copy=True)
     adapter = make_peft_adapter(bf16_ckpt, root / "lora_a", r=8, seed=11, std=0.15)[0]
     lora = {"lora_modules": f"a={adapter}"}   # both models serve one LoRA adapter
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0}
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0,
+            "auto_disable_from_batch": None}   # gate off: drafts counted here (test_spec_gate.py)
     engine = {**SERVER_ENGINE, "_source": "qwen3_a8w8", "checkpoint": str(a8w8_ckpt)}
     repo = make_repository(root / "models", {
         "qwen3_eagle": {**engine, **lora, "speculative_config": json.dumps(spec)},

@@ -174,7 +174,8 @@ def test_lora_and_an_int8_head_at_tp2_give_tp1s_ids(a8w8_ckpt, tp_adapters):
         two.runner.tp.close()
 
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+        "auto_disable_from_batch": None}   # gate off: drafts counted here (test_spec_gate.py)
 LOOPING = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3], [9707, 11, 9707, 11, 9707, 11, 9707, 11]]
 
 
@@ -251,7 +252,8 @@ def test_eagle3_at_tp2_gives_speculation_offs_ids_and_tp1s_aux_states_and_drafts
     from backend_lib.tools.make_eagle3_head import build as build_head
 
     head = build_head(a8w8_ckpt, tmp_path / "copy", copy=True)
-    cfg = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0})
+    cfg = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "min_acceptance": 0.0,
+                      "auto_disable_from_batch": None})
     want = eagle3_ids(a8w8_engine)
     one = make_engine(a8w8_ckpt, dtype="bfloat16", speculative_config=cfg)
     got1, seen1, drafts1 = eagle3_watched(one)

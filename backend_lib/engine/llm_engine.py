@@ -202,6 +202,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.core_share is not None:
             self.core_share.before_step()
+        t0 = time.perf_counter()
         if self.spec is not None:   # [spec] drafts for the decoding sequences, granted by the scheduler
             self.spec.propose(self.scheduler.running)
         plan = self.scheduler.next_step()
@@ -210,6 +211,8 @@ class LLMEngine:
                 # Nothing fits even into an empty pool: cannot happen with a validated pool, but never spin.
                 return self.abort_all("error", "KV cache too small for the waiting request")
             return []
+        # [spec] a step of decodes only (each sequence its one row and its granted drafts): the batch gate measures it
+        decode_only = all(n == 1 + len(seq.spec_tokens) for seq, n in plan.seqs)
         try:
             result = self.runner.execute(plan)
         except Exception as exc:  # a fault in the forward: fail this step's requests, keep serving
@@ -245,7 +248,10 @@ class LLMEngine:
                     self.scheduler.cache_full_pages(seq)
                 continue
             outputs.append(self._process(seq, sample))
-        self.publish_stats(generation_tokens=sum(len(o.new_token_ids) for o in outputs))
+        tokens = sum(len(o.new_token_ids) for o in outputs)
+        if self.spec is not None:
+            self.spec.step_done(decode_only, tokens, time.perf_counter() - t0)
+        self.publish_stats(generation_tokens=tokens)
         return outputs
 
     def _process(self, seq: Sequence, sample) -> RequestOutput:

@@ -63,3 +63,4 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    spec_gated_steps: int = 0      # steps the batch gate kept from drafting (spec/gate.py)

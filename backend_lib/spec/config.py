@@ -10,7 +10,9 @@ Methods: `ngram` (prompt lookup) and `draft_model` (a smaller Qwen3 checkpoint w
 in any format the engine loads: `model` is its local folder, relative to the model's folder in a served
 config; as in vLLM, a `model` without a `method` means draft_model), and `eagle3` (an EAGLE-3 head: `model` is
 its folder, spec/eagle3.py). The other methods vLLM knows (eagle, medusa, mtp, suffix) are refused by name. Our own keys, beside vLLM's: min_acceptance and
-acceptance_window (the per-request auto-disable) and vLLM's disable_by_batch_size. What needs the target
+acceptance_window (the per-request auto-disable), auto_disable_from_batch (the batch gate, spec/gate.py: from
+that many decoding sequences up, drafting only while it is measured to pay; null turns it off) and vLLM's
+disable_by_batch_size. What needs the target
 (the draft's vocabulary against the target's, its positions) is checked when the engine loads the draft
 (spec/draft_model.py), with errors naming speculative_config.model too.
 """
@@ -41,6 +43,9 @@ class SpeculativeConfig:
     acceptance_window: int = 16
     disable_by_batch_size: int | None = None   # vLLM's: no drafts in a step with this many running requests
     model: str | None = None       # draft_model: the draft checkpoint's folder
+    # the batch gate (spec/gate.py): from this many decoding sequences up, a step drafts only while drafting is
+    # measured to give more tokens per second at that batch size than plain steps; None: never gated
+    auto_disable_from_batch: int | None = 4
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -118,7 +123,10 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     by_batch = value.get("disable_by_batch_size")
     if by_batch is not None:
         by_batch = _int("disable_by_batch_size", by_batch, 1)
-    return SpeculativeConfig(method, k, lo, hi, float(rate), window, by_batch, model)
+    gate = value.get("auto_disable_from_batch", SpeculativeConfig.auto_disable_from_batch)
+    if gate is not None:
+        gate = _int("auto_disable_from_batch", gate, 1)
+    return SpeculativeConfig(method, k, lo, hi, float(rate), window, by_batch, model, gate)
 
 
 def check_model_folder(model, method: str) -> str:

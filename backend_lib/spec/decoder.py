@@ -23,7 +23,7 @@ treats a missing commit as "nothing accepted"). Drafts need not be right: verifi
 are; a proposer that fails raises nothing into the step (it proposes [] for the rows it cannot serve).
 
 SpecDecoder (below) owns the method-independent part: which rows draft (opt-outs, auto-disable,
-disable_by_batch_size, room before max_tokens / max_model_len), the acceptance walk and the commit of the
+the batch gate (gate.py), disable_by_batch_size, room before max_tokens / max_model_len), the acceptance walk and the commit of the
 target's KV, the counters. `make_proposer(cfg, ctx)` builds the configured method's proposer from a
 ProposerContext (the engine's configuration, the target's model config, device, dtype, kernels and runner).
 Proposers: ngram.NgramMethod (prompt lookup); draft_model (a smaller Qwen3 with its own paged KV cache).
@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from .gate import PLAIN, SPEC, BatchGate
 
 from ..sampling.params import SPECULATIVE_VALUES  # noqa: F401 (the per-request field `speculative`)
 from .config import SpeculativeConfig
@@ -163,6 +165,9 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.proposer = proposer if proposer is not None else make_proposer(cfg)
         self.counters = SpecCounters(accepted_per_pos=[0] * cfg.num_speculative_tokens)
+        frm = cfg.auto_disable_from_batch
+        self.gate = BatchGate(frm) if frm is not None else None
+        self._arm = (0, SPEC)   # the coming step's (decoding sequences, gate arm)
 
     # ----- before the schedule: drafts ----------------------------------------------------------------
     def state(self, seq) -> SpecState:
@@ -173,6 +178,10 @@ class SpecDecoder:
     def propose(self, running) -> None:
         """Sets seq.spec_tokens (possibly []) for every running sequence: drafts for those that decode."""
         off = self.cfg.disable_by_batch_size is not None and len(running) >= self.cfg.disable_by_batch_size
+        if self.gate is not None:
+            n = sum(1 for s in running if s.num_pending == 1 and s.failure is None)
+            self._arm = (n, self.gate.choose(n) if not off else SPEC)
+            off = off or self._arm[1] == PLAIN
         rows = []
         for seq in running:
             seq.spec_tokens = []
@@ -190,6 +199,12 @@ class SpecDecoder:
         if rows:
             for row, drafts in zip(rows, self.proposer.propose(rows)):
                 row.seq.spec_tokens = list(drafts[:row.room])
+
+    def step_done(self, decode_only: bool, tokens: int, seconds: float) -> None:
+        """After a step: its emitted tokens and wall time, to the batch gate (only a step without a prefill chunk
+        measures decoding)."""
+        if self.gate is not None and decode_only:
+            self.gate.record(self._arm[0], self._arm[1], tokens, seconds)
 
     @staticmethod
     def grant(seq, n: int, spare_tokens: int, bm, reserve_pages: int) -> int:
@@ -307,4 +322,5 @@ class SpecDecoder:
         c = self.counters
         return {"spec_num_drafts": c.num_drafts, "spec_num_draft_tokens": c.num_draft_tokens,
                 "spec_num_accepted_tokens": c.num_accepted_tokens,
-                "spec_accepted_per_pos": tuple(c.accepted_per_pos)}
+                "spec_accepted_per_pos": tuple(c.accepted_per_pos),
+                "spec_gated_steps": self.gate.gated_steps if self.gate is not None else 0}
