@@ -123,7 +123,7 @@ def variants() -> list[Variant]:
             seen.add(("qk", d))
             add(norm.qk_norm_rope_kernel, {"qkv_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
                                            "cs_ptr": "*fp32", "q_ptr": bf, "k_ptr": bf, "eps": "fp32"},
-                {"D": d, "HALF": d // 2, "XD": 1}, {}, "qk_norm_rope")
+                {"D": d, "HALF": d // 2, "XD": 1, "HB": norm.QK_HEADS}, {}, "qk_norm_rope")
             add(norm.silu_mul_kernel, {"x_ptr": bf, "y_ptr": bf}, {"BLOCK": 1024, "XD": 1}, {}, "silu_mul")
             add(attention.write_kv_kernel, {"k_ptr": bf, "v_ptr": bf, "kc_ptr": bf, "vc_ptr": bf,
                                             "slot_ptr": "*i64"},
