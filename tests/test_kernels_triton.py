@@ -161,6 +161,26 @@ def test_norms_rope_and_silu_match_the_reference(dtype):
     assert torch.equal(got[2], ref.qk_norm_rope(qkv, qw, kw, pos, cs, H, KVH, 1e-6)[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,KVH", [(4, 2), (16, 8), (5, 3)])
+def test_qk_norm_rope_gives_a_head_the_same_bits_in_any_block_of_heads(monkeypatch, dtype, H, KVH):
+    """A program takes a block of heads (norm.QK_HEADS): a head's q / k must be the bits of one head a program,
+    whatever block it falls in and however many heads pad the last block."""
+    from backend_lib.kernels.triton import norm
+
+    D, T = 32, 3
+    g = torch.Generator().manual_seed(H * 10 + KVH)
+    qkv = (torch.randn(T, (H + 2 * KVH) * D, generator=g) * 3).to(dtype)
+    qw, kw = (torch.rand(D, generator=g) + .5).to(dtype), (torch.rand(D, generator=g) + .5).to(dtype)
+    pos, cs = torch.tensor([0, 9, 77]), ref.rotary_cos_sin(D, 128, 1e6)
+    outs = []
+    for hb in (1, 2, 8):
+        monkeypatch.setattr(norm, "QK_HEADS", hb)
+        outs.append(norm.qk_norm_rope(qkv, qw, kw, pos, cs, H, KVH, 1e-6))
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_matches_the_reference_across_prefill_chunks_and_decode(dtype, page_size):
