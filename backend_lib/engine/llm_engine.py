@@ -211,8 +211,9 @@ class LLMEngine:
                 # Nothing fits even into an empty pool: cannot happen with a validated pool, but never spin.
                 return self.abort_all("error", "KV cache too small for the waiting request")
             return []
-        # [spec] a step of decodes only (each sequence its one row and its granted drafts): the batch gate measures it
-        decode_only = all(n == 1 + len(seq.spec_tokens) for seq, n in plan.seqs)
+        # [spec] a step of decodes only (each sequence its one row and its granted drafts, read before the commit
+        # clears them): the batch gate measures it
+        decode_only = self.spec is not None and all(n == 1 + len(seq.spec_tokens) for seq, n in plan.seqs)
         try:
             result = self.runner.execute(plan)
         except Exception as exc:  # a fault in the forward: fail this step's requests, keep serving

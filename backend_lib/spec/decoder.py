@@ -59,10 +59,9 @@ from typing import Protocol
 
 import torch
 
-from .gate import PLAIN, SPEC, BatchGate
-
 from ..sampling.params import SPECULATIVE_VALUES  # noqa: F401 (the per-request field `speculative`)
 from .config import SpeculativeConfig
+from .gate import PLAIN, BatchGate
 from .ngram import NgramMethod
 
 PAUSE_MIN, PAUSE_MAX = 32, 1024
@@ -167,7 +166,7 @@ class SpecDecoder:
         self.counters = SpecCounters(accepted_per_pos=[0] * cfg.num_speculative_tokens)
         frm = cfg.auto_disable_from_batch
         self.gate = BatchGate(frm) if frm is not None else None
-        self._arm = (0, SPEC)   # the coming step's (decoding sequences, gate arm)
+        self._arm = None   # the coming step's (decoding sequences, gate arm); None: the gate did not choose it
 
     # ----- before the schedule: drafts ----------------------------------------------------------------
     def state(self, seq) -> SpecState:
@@ -178,14 +177,15 @@ class SpecDecoder:
     def propose(self, running) -> None:
         """Sets seq.spec_tokens (possibly []) for every running sequence: drafts for those that decode."""
         off = self.cfg.disable_by_batch_size is not None and len(running) >= self.cfg.disable_by_batch_size
-        if self.gate is not None:
-            n = sum(1 for s in running if s.num_pending == 1 and s.failure is None)
-            self._arm = (n, self.gate.choose(n) if not off else SPEC)
-            off = off or self._arm[1] == PLAIN
+        self._arm = None
+        if self.gate is not None and not off:
+            n = sum(1 for s in running if self._decodes(s))
+            self._arm = (n, self.gate.choose(n))
+            off = self._arm[1] == PLAIN
         rows = []
         for seq in running:
             seq.spec_tokens = []
-            if off or seq.num_pending != 1 or seq.failure is not None or seq.params.speculative == "off":
+            if off or not self._decodes(seq) or seq.params.speculative == "off":
                 continue
             st = self.state(seq)
             n_out = len(seq.output_ids)
@@ -200,10 +200,15 @@ class SpecDecoder:
             for row, drafts in zip(rows, self.proposer.propose(rows)):
                 row.seq.spec_tokens = list(drafts[:row.room])
 
+    @staticmethod
+    def _decodes(seq) -> bool:
+        """A sequence whose next step is one decode row (the rows that may draft, and that the gate counts)."""
+        return seq.num_pending == 1 and seq.failure is None
+
     def step_done(self, decode_only: bool, tokens: int, seconds: float) -> None:
-        """After a step: its emitted tokens and wall time, to the batch gate (only a step without a prefill chunk
-        measures decoding)."""
-        if self.gate is not None and decode_only:
+        """After a step: its emitted tokens and wall time, to the batch gate if it chose this step's arm (only a
+        step without a prefill chunk measures decoding)."""
+        if self._arm is not None and decode_only:
             self.gate.record(self._arm[0], self._arm[1], tokens, seconds)
 
     @staticmethod
