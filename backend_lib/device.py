@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from functools import lru_cache
 
 import torch
 
@@ -83,11 +84,18 @@ def trim_host_memory() -> None:
     """Hands the heap's free memory back to the OS (glibc's malloc_trim). Loading frees hundreds of MB of
     transient buffers (fused and converted weights before packing) that glibc otherwise keeps mapped: on
     the 0.6B demo checkpoint, ~290 MB of RSS. A no-op where the C library has no malloc_trim."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@lru_cache(maxsize=1)
+def _malloc_trim():
+    """libc's malloc_trim, or None: looked up once (find_library runs ldconfig, ~10 ms a call)."""
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        pass
+        return None

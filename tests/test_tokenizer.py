@@ -35,6 +35,49 @@ def test_incremental_detokenizer_round_trips_byte_exact(tok, text):
     assert tok.hf.decode(ids) == text
 
 
+def test_every_ids_bytes_are_what_the_tokenizer_decodes_it_to(tok):
+    """The byte table (str.translate over GPT-2's byte alphabet) against the tokenizer's own decode of each id,
+    id by id: ids whose bytes are whole UTF-8 equal its decode; the others (parts of a character) decode to
+    U+FFFD there, and their bytes must still be a part of some character (continuation or lead bytes)."""
+    hf = tok.hf
+    partial = 0
+    for i in range(tok.num_ids):
+        want = hf.decode([i], skip_special_tokens=False)
+        got = tok.token_bytes[i]
+        if hf.id_to_token(i) is None:
+            assert got == b"", i
+            continue
+        try:
+            assert got.decode("utf-8") == want, i
+        except UnicodeDecodeError:
+            partial += 1
+            assert "\ufffd" in want and got, i
+    assert 0 < partial < 2000, partial   # Qwen's vocabulary holds ~1,000 byte fragments
+
+
+def test_tokenizers_of_the_same_file_share_one_vocabulary_and_an_edited_file_is_read_again(tmp_path, bf16_ckpt):
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        shutil.copy(bf16_ckpt / "tokenizer.json", d / "tokenizer.json")
+    (b / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    ta, tb = Tokenizer(a), Tokenizer(b)
+    assert ta.hf is tb.hf and ta.token_bytes is tb.token_bytes
+    assert tb.chat_template == "{{ messages[0]['content'] }}" and ta.chat_template != tb.chat_template
+
+    import json
+    spec = json.loads((b / "tokenizer.json").read_text())
+    new_id = max(t["id"] for t in spec["added_tokens"]) + 1
+    spec["added_tokens"].append({"id": new_id, "content": "<|probe|>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (b / "tokenizer.json").write_text(json.dumps(spec))
+    tb2 = Tokenizer(b)
+    assert tb2.hf is not ta.hf and tb2.num_ids == new_id + 1 and tb2.special[new_id]
+    assert tb2.token_bytes[new_id] == b"<|probe|>" and Tokenizer(a).num_ids == ta.num_ids
+
+
 def test_multibyte_characters_are_held_until_complete(tok):
     ids = tok.encode("🫠")
     assert len(ids) > 1, "the emoji must span several byte-level tokens for this test to mean anything"

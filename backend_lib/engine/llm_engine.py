@@ -101,7 +101,7 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.end_ids = set(self.tokenizer.end_token_ids) | set(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
-        self.grammar = GrammarCompiler(self.tokenizer.hf.to_str, mc.vocab_size, sorted(self.end_ids),
+        self.grammar = GrammarCompiler(self.tokenizer.hf, mc.vocab_size, sorted(self.end_ids),
                                        self.tokenizer.think_end_id)
         self._seqs: dict[str, Sequence] = {}
         self._offline_ids = itertools.count()

@@ -11,10 +11,11 @@ it reads Lark grammars natively (GBNF too), which is what `grammar` carries.
 Roles:
 - `StructuredSpec` (backend_lib.contract.structured, torch-free): the one constraint a request asked for,
   parsed from vLLM's `structured_outputs` dict (or its older `guided_*` keys) with errors that name the field.
-- `GrammarCompiler` (any thread, locked): the tokenizer view llguidance needs (built once, ~1.5 s,
-  on the first constrained request) and a cache of compiled grammars per spec; `matcher(spec)`
-  compiles (or reuses) and returns a fresh `GrammarState`, or a RequestError naming the field when
-  the grammar does not compile. Admission runs it, so a bad schema is a 400, never a failed step.
+- `GrammarCompiler` (any thread, locked): the tokenizer view llguidance needs (built on the first
+  constrained request, ~2 s, and shared by every engine of the process on the same vocabulary) and a
+  cache of compiled grammars per spec; `matcher(spec)` compiles (or reuses) and returns a fresh
+  `GrammarState`, or a RequestError naming the field when the grammar does not compile. Admission
+  runs it, so a bad schema is a 400, never a failed step.
 - `GrammarState` (the engine thread, after admission): one request's matcher. It may wait for the
   end of a think block before it constrains (Qwen3 with thinking on answers after `</think>`, as
   vLLM's reasoning-aware structured output does), fills its row's mask, and advances on each token.
@@ -24,7 +25,6 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Callable
 
 import numpy as np
 import torch
@@ -146,12 +146,34 @@ def apply_mask(row: torch.Tensor, mask: torch.Tensor) -> None:
     values[n:] = -np.inf
 
 
+# llguidance's view of a vocabulary (~2 s to build for Qwen's) shared by the compilers of one process whose
+# tokenizers are the same object (backend_lib.tokenizer shares one per tokenizer.json content): key -> (source,
+# view), the source held so that its id is not reused while the entry lives.
+_LL_TOKENIZERS: OrderedDict[tuple, tuple[object, object]] = OrderedDict()
+_LL_TOKENIZERS_LOCK = threading.Lock()
+_LL_TOKENIZERS_KEPT = 4
+
+
+def _shared_ll_tokenizer(source, vocab_size: int, eos_ids: tuple[int, ...]):
+    import llguidance
+
+    key = (id(source), vocab_size, eos_ids)
+    with _LL_TOKENIZERS_LOCK:
+        entry = _LL_TOKENIZERS.get(key)
+        if entry is None or entry[0] is not source:
+            entry = (source, llguidance.LLTokenizer(source.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids)))
+            _LL_TOKENIZERS[key] = entry
+            while len(_LL_TOKENIZERS) > _LL_TOKENIZERS_KEPT:
+                _LL_TOKENIZERS.popitem(last=False)
+        _LL_TOKENIZERS.move_to_end(key)
+        return entry[1]
+
+
 class GrammarCompiler:
     """Compiles specs for one tokenizer; thread-safe (admission may run in several threads)."""
 
-    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_ids: list[int],
-                 think_end_id: int | None):
-        self._tokenizer_json = tokenizer_json   # called once, on the first constrained request
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: list[int], think_end_id: int | None):
+        self._source = hf_tokenizer      # a `tokenizers.Tokenizer`: read on the first constrained request
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.think_end_id = think_end_id
@@ -162,9 +184,7 @@ class GrammarCompiler:
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
-            import llguidance
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
-                                                     eos_token=self.eos_ids)
+            self._tokenizer = _shared_ll_tokenizer(self._source, self.vocab_size, tuple(self.eos_ids))
         return self._tokenizer
 
     def _digit_table(self) -> DigitTable:
