@@ -1,6 +1,9 @@
 """Tokenizer, chat template, incremental detokenizer and stop strings."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from backend_lib.tokenizer import StopMatcher, Tokenizer
@@ -56,8 +59,6 @@ def test_every_ids_bytes_are_what_the_tokenizer_decodes_it_to(tok):
 
 
 def test_tokenizers_of_the_same_file_share_one_vocabulary_and_an_edited_file_is_read_again(tmp_path, bf16_ckpt):
-    import shutil
-
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
         d.mkdir()
@@ -67,7 +68,6 @@ def test_tokenizers_of_the_same_file_share_one_vocabulary_and_an_edited_file_is_
     assert ta.hf is tb.hf and ta.token_bytes is tb.token_bytes
     assert tb.chat_template == "{{ messages[0]['content'] }}" and ta.chat_template != tb.chat_template
 
-    import json
     spec = json.loads((b / "tokenizer.json").read_text())
     new_id = max(t["id"] for t in spec["added_tokens"]) + 1
     spec["added_tokens"].append({"id": new_id, "content": "<|probe|>", "single_word": False, "lstrip": False,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -146,27 +147,14 @@ def apply_mask(row: torch.Tensor, mask: torch.Tensor) -> None:
     values[n:] = -np.inf
 
 
-# llguidance's view of a vocabulary (~2 s to build for Qwen's) shared by the compilers of one process whose
-# tokenizers are the same object (backend_lib.tokenizer shares one per tokenizer.json content): key -> (source,
-# view), the source held so that its id is not reused while the entry lives.
-_LL_TOKENIZERS: OrderedDict[tuple, tuple[object, object]] = OrderedDict()
-_LL_TOKENIZERS_LOCK = threading.Lock()
-_LL_TOKENIZERS_KEPT = 4
-
-
+@lru_cache(maxsize=4)
 def _shared_ll_tokenizer(source, vocab_size: int, eos_ids: tuple[int, ...]):
+    """llguidance's view of a vocabulary (~2 s to build for Qwen's), shared by the compilers of one process on the
+    same `tokenizers.Tokenizer` (backend_lib.tokenizer shares one per tokenizer.json content; it hashes by
+    identity, and the cache holds it, so an id is never reused while its entry lives)."""
     import llguidance
 
-    key = (id(source), vocab_size, eos_ids)
-    with _LL_TOKENIZERS_LOCK:
-        entry = _LL_TOKENIZERS.get(key)
-        if entry is None or entry[0] is not source:
-            entry = (source, llguidance.LLTokenizer(source.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids)))
-            _LL_TOKENIZERS[key] = entry
-            while len(_LL_TOKENIZERS) > _LL_TOKENIZERS_KEPT:
-                _LL_TOKENIZERS.popitem(last=False)
-        _LL_TOKENIZERS.move_to_end(key)
-        return entry[1]
+    return llguidance.LLTokenizer(source.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
 class GrammarCompiler:
