@@ -108,6 +108,15 @@ class OpTimer:
                 lines = prepared[0].shape[1] if isinstance(prepared, tuple) else x.shape[-1]
                 return self._timed(f"GEMV {label}: candidate rows", lambda: fn(x, prepared, ids), ids.numel() * lines * 64)
             return rows
+        if op == "greedy_head":   # a screened head's one call: its int8 screen, then its candidates' lines as above
+            def head(x, screen, c, d, wmax, prepared, *a):
+                out = self._timed("GEMV lm_head: screen and candidate rows (greedy_head)",
+                                  lambda: fn(x, screen, c, d, wmax, prepared, *a),
+                                  sum(t.numel() * t.element_size() for t in screen if isinstance(t, torch.Tensor)))
+                self.bytes["GEMV lm_head: screen and candidate rows (greedy_head)"] += \
+                    max(out[1], 0) * prepared[0].shape[1] * 64
+                return out
+            return head
         return lambda *a, **k: self._timed(op, lambda: fn(*a, **k))
 
     def install(self) -> None:
@@ -287,6 +296,17 @@ def _region_bytes(model, what: str) -> int | None:
     return sum(m.top_k * _prepared_bytes(next(p for p in m.expert_pairs if p is not None)[j]) for m in sparse)
 
 
+def kv_bytes_per_step(eng, context: int, steps: int) -> int:
+    """Bytes of KV cache a timed step of decode_steps reads, averaged over its steps: every layer's keys and values of
+    each position before it (the prefill of `context` tokens and one untimed decode step come first, so timed step i
+    attends over context + 2 + i positions), at the engine's cache's bytes per token."""
+    from backend_lib.kv_cache import cache_class
+
+    mc = eng.model_config
+    per_token = cache_class(eng.cfg.kv_cache).bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.dtype)
+    return round(per_token * (context + 2 + (steps - 1) / 2))
+
+
 def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict:
     """One sequence's batch-1 decode with the C++ layer loop, its one parallel region accounted per phase
     (torch.ops.qwen3_cpu.decode_layers_profile, per step; the median over steps of each phase, averaged over the
@@ -345,6 +365,11 @@ def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict
     for label, phases, lin in REGION_ROWS:
         ms = sum(phase_ms[ph] for ph in phases)
         nbytes = 0
+        if label == "attention items: paged attention":   # the KV rows it reads: part of the step's bytes
+            nbytes = kv_bytes_per_step(eng, context, steps)
+            ops[label] = {"ms_per_step": ms, "mb_per_step": nbytes / 1e6,
+                          "gb_per_s": nbytes / 1e6 / (ms + phase_ms["attnWait"]), "kv": True}
+            continue
         if lin:
             nbytes = _region_bytes(model, lin)
             if nbytes is None:   # no such layer in this model
@@ -362,7 +387,8 @@ def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict
                       "gb_per_s": (timer.bytes[label] / (timer.ns[label] / 1e9) / 1e9) if timer.bytes[label] else None}
     rest = step_ms - med(layer_ns) / 1e6 - sum(timer.ns.values()) / steps / 1e6
     return {"threads": threads, "step_ms": step_ms, "region_ms": region_ms, "ops": ops, "python_and_rest_ms": rest,
-            "mb_per_token": sum(o["mb_per_step"] for o in ops.values()), "phase_ms": phase_ms,
+            "mb_per_token": sum(o["mb_per_step"] for o in ops.values()),
+            "kv_mb_per_token": sum(o["mb_per_step"] for o in ops.values() if o.get("kv")), "phase_ms": phase_ms,
             "steps_in_region": len(profs)}
 
 
@@ -378,10 +404,13 @@ def region_table(results: list[dict]) -> str:
         md.append(f"| {label} | " + " | ".join(cells) + " |")
     md.append("| **step (median)** | " + " | ".join(
         f"{r['step_ms']:.2f} ms ({1000 / r['step_ms']:.1f} tokens/s; region {r['region_ms']:.2f})" for r in results) + " |")
-    md.append("| weights read per token; STREAM read; floor; step / floor | " + " | ".join(
-        f"{r['mb_per_token']:.0f} MB; {r['stream_read_gb_per_s']:.1f} GB/s; "
-        f"{r['mb_per_token'] / r['stream_read_gb_per_s']:.2f} ms; "
+    md.append("| bytes read per token (weights + KV cache); STREAM read; floor; step / floor | " + " | ".join(
+        f"{r['mb_per_token']:.0f} MB ({r['mb_per_token'] - r['kv_mb_per_token']:.0f} + {r['kv_mb_per_token']:.1f}); "
+        f"{r['stream_read_gb_per_s']:.1f} GB/s; {r['mb_per_token'] / r['stream_read_gb_per_s']:.2f} ms; "
         f"{r['mb_per_token'] / r['stream_read_gb_per_s'] / r['step_ms']:.2f}x" for r in results) + " |")
+    md.append("| the same, weights only (the KV rows left out of the floor) | " + " | ".join(
+        f"{(r['mb_per_token'] - r['kv_mb_per_token']) / r['stream_read_gb_per_s'] / r['step_ms']:.2f}x"
+        for r in results) + " |")
     return "\n".join(md)
 
 

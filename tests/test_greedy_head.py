@@ -55,6 +55,13 @@ def _head(cpu, w):
     return ScreenedHead(w, cpu)
 
 
+def _composed(cpu):
+    """The CPU set without its one-call pick (Kernels.greedy_head): greedy_picks composes the slots' steps."""
+    import dataclasses
+
+    return dataclasses.replace(cpu, greedy_head=None)
+
+
 def _argmax(head, x):
     return head(x, torch.float32).argmax(dim=-1).tolist()
 
@@ -87,9 +94,13 @@ def test_the_bound_holds_and_the_picks_are_the_argmax(cpu):
     for b in range(xs.shape[0]):
         assert int(exact[b].argmax()) in rows[b].tolist()
         assert rows[b].numel() < n // 20, rows[b].numel()
-    assert head.greedy_picks(xs) == _argmax(head, xs)
+    composed = _head(_composed(cpu), w)
+    assert head.kernels.greedy_head is not None and composed.kernels.greedy_head is None
+    assert head.greedy_picks(xs) == composed.greedy_picks(xs) == _argmax(head, xs)
     for b in range(0, xs.shape[0], 5):
-        assert head.greedy_picks(xs[b:b + 1]) == _argmax(head, xs[b:b + 1])
+        assert head.greedy_picks(xs[b:b + 1]) == composed.greedy_picks(xs[b:b + 1]) == _argmax(head, xs[b:b + 1])
+    assert head.stats["candidates"] == composed.stats["candidates"] > 0   # the same union, step by step
+    assert head.stats["fallbacks"] == composed.stats["fallbacks"] == 0
 
 
 def test_the_fused_screen_finds_the_torch_formulas_candidates(cpu):
@@ -103,7 +114,7 @@ def test_the_fused_screen_finds_the_torch_formulas_candidates(cpu):
     n, k = 30011, 128                       # N not a multiple of the vector width: the scalar tail runs
     w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
     fused = ScreenedHead(w, cpu)
-    plain = ScreenedHead(w, dataclasses.replace(cpu, greedy_screen=None))
+    plain = ScreenedHead(w, dataclasses.replace(cpu, greedy_screen=None, greedy_head=None))
     xs = torch.randn(9, k).to(torch.bfloat16)
     xs[3] *= 300.0
     got, want = fused.candidates(xs), plain.candidates(xs)
@@ -119,18 +130,27 @@ def test_the_fused_screen_finds_the_torch_formulas_candidates(cpu):
     assert ids.numel() == sum(c for c in counts if c > 0)
     few = cpu.greedy_screen(a[:1], fused.c, fused.d, terms[:1], 8 * U * MARGIN, 1)[1].tolist()
     assert few == ([-1] if counts[0] > 1 else [1])
+    # a row's candidates in more than one of the pass's chunks of N: ascending in one list, the limit over them all
+    row = torch.full((1, n), -1e3)
+    row[0, [5, 20000, 30000]] = 10.0
+    ids, counts = cpu.greedy_screen(row, fused.c, fused.d, terms[:1], 8 * U * MARGIN, 3)
+    assert ids.tolist() == [5, 20000, 30000] and counts.tolist() == [3]
+    assert cpu.greedy_screen(row, fused.c, fused.d, terms[:1], 8 * U * MARGIN, 2)[1].tolist() == [-1]
 
 
-def test_ties_go_to_the_lowest_index_and_degenerate_rows(cpu):
+@pytest.mark.parametrize("one_call", [True, False], ids=["greedy_head", "composed"])
+def test_ties_go_to_the_lowest_index_and_degenerate_rows(cpu, one_call):
     torch.manual_seed(1)
     n, k = 5000, 64
     w = torch.randn(n, k).to(torch.bfloat16)
     v = torch.randn(k).to(torch.bfloat16) * 4
     for i in (4000, 77, 2500):                 # three equal rows, the largest logit of x = v
         w[i] = v
-    head = _head(cpu, w)
+    head = _head(cpu if one_call else _composed(cpu), w)
     x = v[None].clone()
     assert head.greedy_picks(x) == [77] == _argmax(head, x)
+    two = torch.cat([x, -x])                   # a batch: each row its own first maximum
+    assert head.greedy_picks(two) == _argmax(head, two)
     zero = torch.zeros(1, k, dtype=torch.bfloat16)        # every logit 0: every row a candidate, too many
     assert head.greedy_picks(zero) is None and _argmax(head, zero) == [0]
     bad = x.clone()

@@ -165,8 +165,18 @@ def test_the_region_profile_accounts_for_a_decode_step(a8w8_ckpt):
                   "attention items: paged attention"):
         assert r["ops"][label]["ms_per_step"] > 0 and (r["ops"][label]["gb_per_s"] or 1) > 0
     assert 0 < r["region_ms"] < r["step_ms"]
+    # the floor counts the KV rows attention reads: bf16 keys and values of every layer, timed step i attending
+    # over context + 2 + i positions (the prefill and one untimed decode step come first)
+    mc = eng.model_config
+    kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * (16 + 2 + (6 - 1) / 2)
+    assert r["ops"]["attention items: paged attention"]["mb_per_step"] == pytest.approx(kv / 1e6)
+    assert r["kv_mb_per_token"] == pytest.approx(kv / 1e6) and r["mb_per_token"] > r["kv_mb_per_token"]
+    # the screened greedy head's one call (greedy_head: auto on the CPU set) counts its int8 screen and candidates
+    screen = sum(t.numel() * t.element_size() for t in eng.runner.model.lm_head.screen.prepared)
+    assert r["ops"]["GEMV lm_head: screen and candidate rows (greedy_head)"]["mb_per_step"] * 1e6 > screen
     r["stream_read_gb_per_s"] = 10.0
-    assert "GEMV lm_head" in region_table([r])
+    table = region_table([r])
+    assert "GEMV lm_head" in table and "weights + KV cache" in table
 
 
 # ----- Qwen3-MoE: sparse layers in the region ----------------------------------------------------------------

@@ -74,6 +74,11 @@ class Kernels:
     # (ids int64, counts int64 [B]): a screened greedy head's candidates per row, ascending, concatenated; count -1
     # where a row cannot be certified (layers/greedy_head.py has the bound); None: the same formula in torch ops
     greedy_screen: Callable | None = None
+    # (x [B, K], the screen's prepared A8W8 weight, C fp32 [N], D fp32 [N], wmax, the float head's prepared weight,
+    # coef, margin, limit) -> (picks int64 [B], the candidates' union size): a screened greedy head's whole pick in one
+    # call (screen_terms, the int8 product, greedy_screen, float_linear_rows, the first maximum), (all -1, -1) where
+    # a row cannot be certified; None: ScreenedHead.greedy_picks composes those steps from the slots above
+    greedy_head: Callable | None = None
 
     def linear_rows(self, x, prepared, ids):
         """float_linear(x, prepared, fp32)[:, ids] through the set's float_linear_rows where it has one."""

@@ -39,6 +39,7 @@ from .linear import A8W8Linear, FloatLinear, int8_rows
 U = 2.0 ** -24                  # fp32 unit roundoff
 MARGIN = 1.0 + 2.0 ** -10       # B's own fp32 roundings
 MAX_CANDIDATES = 2048           # union over a step's rows; past it the whole product is cheaper
+COEF = 8 * U * MARGIN           # B's |A_n| term: A's epilogue and the fp32 roundings of A +- B (the top of this file)
 
 
 class ScreenedHead(FloatLinear):
@@ -89,7 +90,7 @@ class ScreenedHead(FloatLinear):
         if not bool(torch.isfinite(a).all()):
             return None
         bound = torch.addcmul(terms[:, :1] * self.c, terms[:, 1:2], self.d)
-        bound.add_(a.abs(), alpha=8 * U * MARGIN).add_(terms[:, 2:])
+        bound.add_(a.abs(), alpha=COEF).add_(terms[:, 2:])
         return a, bound
 
     def candidates(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor] | None:
@@ -100,7 +101,7 @@ class ScreenedHead(FloatLinear):
             if found is None:
                 return None
             a, terms = found
-            ids, counts = self.kernels.greedy_screen(a, self.c, self.d, terms, 8 * U * MARGIN, MAX_CANDIDATES)
+            ids, counts = self.kernels.greedy_screen(a, self.c, self.d, terms, COEF, MAX_CANDIDATES)
             counts = counts.tolist()
             if min(counts) < 0:
                 return None
@@ -126,6 +127,14 @@ class ScreenedHead(FloatLinear):
         if not self.finite or x.shape[0] == 0:
             return None
         self.stats["rows"] += x.shape[0]
+        if self.kernels.greedy_head is not None:   # the set's one call for the steps below (the CPU set's C++)
+            picks, union = self.kernels.greedy_head(x, self.screen.prepared, self.c, self.d, self.wmax, self.prepared,
+                                                    COEF, MARGIN, MAX_CANDIDATES)
+            if union < 0:
+                self.stats["fallbacks"] += x.shape[0]
+                return None
+            self.stats["candidates"] += union
+            return picks.tolist()
         found = self.candidates(x)
         if found is None:
             self.stats["fallbacks"] += x.shape[0]
@@ -143,4 +152,4 @@ class ScreenedHead(FloatLinear):
         return picks
 
 
-__all__ = ["MAX_CANDIDATES", "ScreenedHead"]
+__all__ = ["COEF", "MAX_CANDIDATES", "ScreenedHead"]

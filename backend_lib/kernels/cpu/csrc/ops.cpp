@@ -9,6 +9,8 @@ TORCH_LIBRARY(qwen3_cpu, m) {
   m.def("float_linear_rows(Tensor x, Tensor packed, int N, Tensor ids) -> Tensor", &qk::float_linear_rows);
   m.def("greedy_screen(Tensor a, Tensor c, Tensor d, Tensor terms, float coef, int limit) -> (Tensor, Tensor)",
         &qk::greedy_screen);
+  m.def("greedy_head_picks(Tensor x, Tensor packed8, Tensor w_scale, Tensor colsum, Tensor c, Tensor d, float wmax, "
+        "Tensor packed, int N, float coef, float margin, int limit) -> (Tensor, int)", &qk::greedy_head_picks);
   m.def("a8w8_pack(Tensor w_q) -> Tensor", &qk::a8w8_pack);
   m.def("a8w8_colsum(Tensor w_q) -> Tensor", &qk::a8w8_colsum);
   m.def("a8w8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor colsum) -> Tensor", &qk::a8w8_linear);

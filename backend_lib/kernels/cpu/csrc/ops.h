@@ -7,6 +7,11 @@
 namespace qk {
 at::Tensor float_pack(const at::Tensor& w);
 at::Tensor float_packed_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t K);
+std::tuple<at::Tensor, int64_t> greedy_head_picks(const at::Tensor& x, const at::Tensor& packed8,
+                                                  const at::Tensor& w_scale, const at::Tensor& colsum,
+                                                  const at::Tensor& c, const at::Tensor& d, double wmax,
+                                                  const at::Tensor& packed, int64_t N, double coef, double margin,
+                                                  int64_t limit);
 at::Tensor float_linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& ids);
 std::tuple<at::Tensor, at::Tensor> greedy_screen(const at::Tensor& a, const at::Tensor& c, const at::Tensor& d,
                                                  const at::Tensor& terms, double coef, int64_t limit);
