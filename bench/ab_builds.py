@@ -6,8 +6,9 @@
 Each side is its own process (PYTHONPATH = its checkout, so each loads its own compiled kernels: the build cache is
 keyed by the sources), loaded once with the same checkpoint. Per config (threads x batch), both start the same
 batch of sequences, then `--blocks` blocks of `--steps` decode steps alternate A, B, B, A, ...; at batch 1 a
-STREAM-style read (sum of 1 GiB, same thread count) follows every pair of blocks, whose bytes per token over it is
-the floor. Reported: each side's median and p10 step over all its steps, the A/B ratio of every pair's block
+STREAM-style read (sum of 1 GiB, same thread count) follows every pair of blocks, and a block's bytes per token over
+it is its floor (the weights and the KV rows its steps attend to: the sequences' context grows block by block, so the
+KV part does too). Reported: each side's median and p10 step over all its steps, the A/B ratio of every pair's block
 medians, and each pair's share of the floor. On a shared host only such same-minute ratios mean anything.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ def worker(checkpoint: str) -> None:
 
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
-    from bench.step_profile import decode_weight_mb, stream_read_gbs
+    from bench.step_profile import decode_weight_mb, kv_bytes_per_token, stream_read_gbs
     from bench.workers.common import prompts
 
     eng = LLMEngine(EngineConfig(checkpoint=checkpoint, kv_cache_memory="1GiB", max_model_len=4096, max_num_seqs=16,
@@ -59,12 +60,13 @@ def worker(checkpoint: str) -> None:
             eng.step()
             out = {"ok": True}
         elif "steps" in cmd:
-            times = []
+            times, keys = [], []
             for _ in range(cmd["steps"]):
+                keys.append(sum(seq.num_computed + 1 for seq in eng.scheduler.running))   # positions attended
                 t0 = time.perf_counter()
                 eng.step()
                 times.append((time.perf_counter() - t0) * 1000)
-            out = {"times": times}
+            out = {"times": times, "kv_mb": kv_bytes_per_token(eng) * statistics.mean(keys) / 1e6}
         else:
             eng.abort_all()
             while eng.has_unfinished():
@@ -119,17 +121,18 @@ def main() -> None:
         for name in sides:
             ask(name, {"start": batch, "context": args.context, "threads": threads})
         steps = {"A": [], "B": []}
-        cur, ratios, shares, streams = {}, [], [], []
+        cur, kv, ratios, shares, streams = {}, {}, [], [], []
         for k in range(args.blocks):
             name = "ABBA"[k % 4]
-            ts = ask(name, {"steps": args.steps})["times"]
-            steps[name] += ts
-            cur[name] = statistics.median(ts)
+            block = ask(name, {"steps": args.steps})
+            steps[name] += block["times"]
+            cur[name] = statistics.median(block["times"])
+            kv[name] = block["kv_mb"]
             if k % 2 == 1:
                 ratios.append(cur["A"] / cur["B"])
-                if batch == 1:
+                if batch == 1:   # the floor: the weights and the KV rows the block's steps read (their context grows)
                     streams.append(ask("A", {"stream": threads})["gbs"])
-                    shares.append((mb["A"] / streams[-1] / cur["A"], mb["B"] / streams[-1] / cur["B"]))
+                    shares.append(tuple((mb[n] + kv[n]) / streams[-1] / cur[n] for n in ("A", "B")))
         for name in sides:
             ask(name, {"stop": 1})
         q = {n: sorted(v) for n, v in steps.items()}
@@ -142,7 +145,7 @@ def main() -> None:
               + f" (median {statistics.median(ratios):.3f}, {sum(r > 1 for r in ratios)}/{len(ratios)} above 1)")
         if shares:
             print(f"  STREAM read after each pair: " + ", ".join(f"{g:.0f}" for g in streams) + " GB/s; share of the "
-                  "floor per pair, A / B: " + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in shares)
+                  "floor (weights + KV) per pair, A / B: " + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in shares)
                   + f" (medians {statistics.median(a for a, _ in shares):.2f} / "
                   f"{statistics.median(b for _, b in shares):.2f})")
     print(f"ended {time.strftime('%H:%M:%S')}, load average {os.getloadavg()[0]:.1f}")

@@ -296,15 +296,20 @@ def _region_bytes(model, what: str) -> int | None:
     return sum(m.top_k * _prepared_bytes(next(p for p in m.expert_pairs if p is not None)[j]) for m in sparse)
 
 
-def kv_bytes_per_step(eng, context: int, steps: int) -> int:
-    """Bytes of KV cache a timed step of decode_steps reads, averaged over its steps: every layer's keys and values of
-    each position before it (the prefill of `context` tokens and one untimed decode step come first, so timed step i
-    attends over context + 2 + i positions), at the engine's cache's bytes per token."""
+def kv_bytes_per_token(eng) -> int:
+    """Bytes of KV cache one position holds over all layers (keys and values), at the engine's cache's layout: what a
+    decode step's attention reads per position of its context."""
     from backend_lib.kv_cache import cache_class
 
     mc = eng.model_config
-    per_token = cache_class(eng.cfg.kv_cache).bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.dtype)
-    return round(per_token * (context + 2 + (steps - 1) / 2))
+    return cache_class(eng.cfg.kv_cache).bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.dtype)
+
+
+def kv_bytes_per_step(eng, context: int, steps: int) -> int:
+    """Bytes of KV cache a timed step of decode_steps reads, averaged over its steps: every layer's keys and values of
+    each position before it (the prefill of `context` tokens and one untimed decode step come first, so timed step i
+    attends over context + 2 + i positions)."""
+    return round(kv_bytes_per_token(eng) * (context + 2 + (steps - 1) / 2))
 
 
 def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict:
