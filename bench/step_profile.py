@@ -108,12 +108,12 @@ class OpTimer:
                 lines = prepared[0].shape[1] if isinstance(prepared, tuple) else x.shape[-1]
                 return self._timed(f"GEMV {label}: candidate rows", lambda: fn(x, prepared, ids), ids.numel() * lines * 64)
             return rows
-        if op == "greedy_head":   # a screened head's one call: its int8 screen, then its candidates' lines as above
+        if op == "greedy_head_picks":   # a screened head's one call: its int8 screen, then its candidates' lines as above
             def head(x, screen, c, d, wmax, prepared, *a):
-                out = self._timed("GEMV lm_head: screen and candidate rows (greedy_head)",
+                out = self._timed("GEMV lm_head: screen and candidate rows (greedy_head_picks)",
                                   lambda: fn(x, screen, c, d, wmax, prepared, *a),
                                   sum(t.numel() * t.element_size() for t in screen if isinstance(t, torch.Tensor)))
-                self.bytes["GEMV lm_head: screen and candidate rows (greedy_head)"] += \
+                self.bytes["GEMV lm_head: screen and candidate rows (greedy_head_picks)"] += \
                     max(out[1], 0) * prepared[0].shape[1] * 64
                 return out
             return head

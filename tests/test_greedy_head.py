@@ -56,10 +56,10 @@ def _head(cpu, w):
 
 
 def _composed(cpu):
-    """The CPU set without its one-call pick (Kernels.greedy_head): greedy_picks composes the slots' steps."""
+    """The CPU set without its one-call pick (Kernels.greedy_head_picks): greedy_picks composes the slots' steps."""
     import dataclasses
 
-    return dataclasses.replace(cpu, greedy_head=None)
+    return dataclasses.replace(cpu, greedy_head_picks=None)
 
 
 def _argmax(head, x):
@@ -95,7 +95,7 @@ def test_the_bound_holds_and_the_picks_are_the_argmax(cpu):
         assert int(exact[b].argmax()) in rows[b].tolist()
         assert rows[b].numel() < n // 20, rows[b].numel()
     composed = _head(_composed(cpu), w)
-    assert head.kernels.greedy_head is not None and composed.kernels.greedy_head is None
+    assert head.kernels.greedy_head_picks is not None and composed.kernels.greedy_head_picks is None
     assert head.greedy_picks(xs) == composed.greedy_picks(xs) == _argmax(head, xs)
     for b in range(0, xs.shape[0], 5):
         assert head.greedy_picks(xs[b:b + 1]) == composed.greedy_picks(xs[b:b + 1]) == _argmax(head, xs[b:b + 1])
@@ -114,7 +114,7 @@ def test_the_fused_screen_finds_the_torch_formulas_candidates(cpu):
     n, k = 30011, 128                       # N not a multiple of the vector width: the scalar tail runs
     w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
     fused = ScreenedHead(w, cpu)
-    plain = ScreenedHead(w, dataclasses.replace(cpu, greedy_screen=None, greedy_head=None))
+    plain = ScreenedHead(w, dataclasses.replace(cpu, greedy_screen=None, greedy_head_picks=None))
     xs = torch.randn(9, k).to(torch.bfloat16)
     xs[3] *= 300.0
     got, want = fused.candidates(xs), plain.candidates(xs)
@@ -138,7 +138,7 @@ def test_the_fused_screen_finds_the_torch_formulas_candidates(cpu):
     assert cpu.greedy_screen(row, fused.c, fused.d, terms[:1], 8 * U * MARGIN, 2)[1].tolist() == [-1]
 
 
-@pytest.mark.parametrize("one_call", [True, False], ids=["greedy_head", "composed"])
+@pytest.mark.parametrize("one_call", [True, False], ids=["one_call", "composed"])
 def test_ties_go_to_the_lowest_index_and_degenerate_rows(cpu, one_call):
     torch.manual_seed(1)
     n, k = 5000, 64

@@ -173,7 +173,7 @@ def test_the_region_profile_accounts_for_a_decode_step(a8w8_ckpt):
     assert r["kv_mb_per_token"] == pytest.approx(kv / 1e6) and r["mb_per_token"] > r["kv_mb_per_token"]
     # the screened greedy head's one call (greedy_head: auto on the CPU set) counts its int8 screen and candidates
     screen = sum(t.numel() * t.element_size() for t in eng.runner.model.lm_head.screen.prepared)
-    assert r["ops"]["GEMV lm_head: screen and candidate rows (greedy_head)"]["mb_per_step"] * 1e6 > screen
+    assert r["ops"]["GEMV lm_head: screen and candidate rows (greedy_head_picks)"]["mb_per_step"] * 1e6 > screen
     r["stream_read_gb_per_s"] = 10.0
     table = region_table([r])
     assert "GEMV lm_head" in table and "weights + KV cache" in table

@@ -78,7 +78,7 @@ class Kernels:
     # coef, margin, limit) -> (picks int64 [B], the candidates' union size): a screened greedy head's whole pick in one
     # call (screen_terms, the int8 product, greedy_screen, float_linear_rows, the first maximum), (all -1, -1) where
     # a row cannot be certified; None: ScreenedHead.greedy_picks composes those steps from the slots above
-    greedy_head: Callable | None = None
+    greedy_head_picks: Callable | None = None
 
     def linear_rows(self, x, prepared, ids):
         """float_linear(x, prepared, fp32)[:, ids] through the set's float_linear_rows where it has one."""

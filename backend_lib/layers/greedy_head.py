@@ -127,9 +127,9 @@ class ScreenedHead(FloatLinear):
         if not self.finite or x.shape[0] == 0:
             return None
         self.stats["rows"] += x.shape[0]
-        if self.kernels.greedy_head is not None:   # the set's one call for the steps below (the CPU set's C++)
-            picks, union = self.kernels.greedy_head(x, self.screen.prepared, self.c, self.d, self.wmax, self.prepared,
-                                                    COEF, MARGIN, MAX_CANDIDATES)
+        if self.kernels.greedy_head_picks is not None:   # the set's one call for the steps below (the CPU set's C++)
+            picks, union = self.kernels.greedy_head_picks(x, self.screen.prepared, self.c, self.d, self.wmax,
+                                                          self.prepared, COEF, MARGIN, MAX_CANDIDATES)
             if union < 0:
                 self.stats["fallbacks"] += x.shape[0]
                 return None
