@@ -2,8 +2,8 @@
 // row b of the int8 product A [B, N], with B_n = sx_b C_n + l2_b D_n + coef |A_n| + eps_b (the row's terms already
 // carry the margin for these fp32 roundings), the ids n with A_n + B_n >= L_b = max_n (A_n - B_n), ascending.
 // One vector pass computes L_b and A_n + B_n (kept in a row buffer), a scalar pass collects the ids, both over
-// chunks of the row on the intra-op threads: ~0.1 ms for the 151,936 logits of Qwen3's head, where the same formula as separate torch ops made ~8 passes and as many
-// temporaries (~1.5 ms a step on the 2-core AVX2 VM). A row whose A holds a non-finite value, whose L_b is not
+// chunks of the row on the intra-op threads: ~0.1 ms for the 151,936 logits of Qwen3's head, where the same formula
+// as separate torch ops made ~8 passes and as many temporaries (~1.5 ms a step on the 2-core AVX2 VM). A row whose A holds a non-finite value, whose L_b is not
 // finite, or with more than `limit` candidates gets count -1: the caller computes the whole product instead.
 #include "ops.h"
 #include "vec.h"
@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <memory>
 #include <vector>
 
 namespace qk {
@@ -34,13 +33,15 @@ std::tuple<at::Tensor, at::Tensor> greedy_screen(const at::Tensor& a_in, const a
   // Work in chunks of a row's N (a batch-1 step's one row is split over the threads too): pass 1 writes A_n + B_n
   // into a row buffer and each chunk's max of A_n - B_n and its non-finite check; L_b is the max over the row's
   // chunks (a max: the same value in any split); pass 2 collects each chunk's ids, which concatenate in chunk order,
-  // ascending. The buffer is the calling thread's, kept between calls (600 KB a row for Qwen3's head: a fresh
-  // allocation of it is mapped and faulted in at every call).
-  constexpr int64_t kChunk = 16384;
+  // ascending. Up to kKeep floats the buffer is the calling thread's, kept between calls (600 KB a row for Qwen3's
+  // head: a fresh allocation of it is mapped and faulted in at every call); a larger batch's is its own.
+  constexpr int64_t kChunk = 16384, kKeep = int64_t{1} << 20;
   const int64_t NC = std::max<int64_t>(1, (N + kChunk - 1) / kChunk);
-  static thread_local std::vector<float> hi_buf;
-  if (static_cast<int64_t>(hi_buf.size()) < B * N) hi_buf.resize(static_cast<size_t>(B * N));
-  float* hi = hi_buf.data();
+  static thread_local std::vector<float> kept;
+  std::vector<float> own;
+  std::vector<float>& buf = B * N <= kKeep ? kept : own;
+  if (static_cast<int64_t>(buf.size()) < B * N) buf.resize(static_cast<size_t>(B * N));
+  float* hi = buf.data();
   std::vector<float> lo_of(static_cast<size_t>(B * NC)), bad_of(static_cast<size_t>(B * NC));
   at::parallel_for(0, B * NC, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -97,34 +98,29 @@ std::tuple<at::Tensor, at::Tensor> greedy_screen(const at::Tensor& a_in, const a
         }
     }
   });
-  std::vector<std::vector<int64_t>> found(B);
+  // a row's count: its ids over its chunks, or -1 (not certified, no candidate, or more than `limit`)
   std::vector<int64_t> counts(B, -1);
+  int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) {
     if (!ok[b]) continue;
-    int64_t total = 0;
-    for (int64_t c = 0; c < NC; ++c) total += static_cast<int64_t>(part[b * NC + c].size());
-    if (total == 0 || total > limit) continue;
-    auto& ids = found[b];
-    ids.reserve(static_cast<size_t>(total));
-    for (int64_t c = 0; c < NC; ++c) ids.insert(ids.end(), part[b * NC + c].begin(), part[b * NC + c].end());
-    counts[b] = total;
+    int64_t n = 0;
+    for (int64_t c = 0; c < NC; ++c) n += static_cast<int64_t>(part[b * NC + c].size());
+    if (n > 0 && n <= limit) {
+      counts[b] = n;
+      total += n;
+    }
   }
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += std::max<int64_t>(counts[b], 0);
   auto out = at::empty({total}, a.options().dtype(at::kLong));
   auto cnt = at::empty({B}, a.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   int64_t* cq = cnt.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     cq[b] = counts[b];
-    if (counts[b] > 0) op = std::copy(found[b].begin(), found[b].end(), op);
+    if (counts[b] > 0)
+      for (int64_t c = 0; c < NC; ++c) op = std::copy(part[b * NC + c].begin(), part[b * NC + c].end(), op);
   }
   return {out, cnt};
 }
-
-}  // namespace qk
-
-namespace qk {
 
 // A screened greedy head's whole pick in one call (layers/greedy_head.py, ScreenedHead.greedy_picks, composes the
 // same steps from the slots; this removes the ~15 small torch ops and Python between them, ~1 ms of a batch-1 step
