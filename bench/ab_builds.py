@@ -32,12 +32,17 @@ def worker(checkpoint: str) -> None:
 
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
-    from bench.step_profile import decode_weight_mb, kv_bytes_per_token, stream_read_gbs
+    from backend_lib.kv_cache import cache_class
+    from bench.step_profile import decode_weight_mb, stream_read_gbs
     from bench.workers.common import prompts
 
     eng = LLMEngine(EngineConfig(checkpoint=checkpoint, kv_cache_memory="1GiB", max_model_len=4096, max_num_seqs=16,
                                  enable_prefix_caching=False))
     mb = decode_weight_mb(eng.runner.model)
+    # KV bytes a position holds over all layers: step_profile.kv_bytes_per_token's formula, restated because the worker
+    # imports the measured checkout's bench package, which may predate it
+    mc = eng.model_config
+    kv_per_token = cache_class(eng.cfg.kv_cache).bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.dtype)
     print(json.dumps({"ready": True, "mb_per_token": mb}), flush=True)
     n = 0
     for line in sys.stdin:
@@ -66,7 +71,7 @@ def worker(checkpoint: str) -> None:
                 t0 = time.perf_counter()
                 eng.step()
                 times.append((time.perf_counter() - t0) * 1000)
-            out = {"times": times, "kv_mb": kv_bytes_per_token(eng) * statistics.mean(keys) / 1e6}
+            out = {"times": times, "kv_mb": kv_per_token * statistics.mean(keys) / 1e6}
         else:
             eng.abort_all()
             while eng.has_unfinished():
