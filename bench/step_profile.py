@@ -110,11 +110,10 @@ class OpTimer:
             return rows
         if op == "greedy_head_picks":   # a screened head's one call: its int8 screen, then its candidates' lines as above
             def head(x, screen, c, d, wmax, prepared, *a):
-                out = self._timed("GEMV lm_head: screen and candidate rows (greedy_head_picks)",
-                                  lambda: fn(x, screen, c, d, wmax, prepared, *a),
+                label = "GEMV lm_head: screen and candidate rows (greedy_head_picks)"
+                out = self._timed(label, lambda: fn(x, screen, c, d, wmax, prepared, *a),
                                   sum(t.numel() * t.element_size() for t in screen if isinstance(t, torch.Tensor)))
-                self.bytes["GEMV lm_head: screen and candidate rows (greedy_head_picks)"] += \
-                    max(out[1], 0) * prepared[0].shape[1] * 64
+                self.bytes[label] += max(out[1], 0) * prepared[0].shape[1] * 64   # the union's lines, known after
                 return out
             return head
         return lambda *a, **k: self._timed(op, lambda: fn(*a, **k))
