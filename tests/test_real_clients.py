@@ -295,8 +295,12 @@ def genai_perf(triton, a8w8_ckpt, tmp_path, *args) -> tuple[dict, dict]:
     exports = glob.glob(str(out / "*" / "profile_export.json"))
     if proc.returncode != 0 and exports and not Path(exports[0]).read_text():
         # Seen once in CI (1 run of 2, the first genai-perf call of the run): perf_analyzer 2.51 ended without
-        # writing its export and genai-perf failed reading the empty file. The second attempt must succeed; the
-        # first one's output (--verbose: perf_analyzer's own) is kept as a warning so the cause can be read.
+        # writing its export and genai-perf failed reading the empty file. The cause (perf_analyzer's source,
+        # r24.10): an output a response lacks (cumulative_logprob, FP32, sent only when asked) is recorded with
+        # zero bytes and its element 0 read anyway, stale heap bytes that are a NaN now and then; rapidjson's Writer
+        # refuses a NaN and the export's 64 KB FileWriteStream is never flushed. genai-perf's inputs cannot ask
+        # for that output (test_perf_analyzer_streams_from_the_decoupled_model does), so a second attempt must
+        # succeed; the first one's output (--verbose: perf_analyzer's own) is kept as a warning.
         warnings.warn(f"genai-perf: perf_analyzer wrote no export on the first attempt; retrying.\n"
                       f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         shutil.rmtree(out)
@@ -336,7 +340,14 @@ PA_PROMPTS = ["The quick brown fox", "Once upon a time"]
 def test_perf_analyzer_streams_from_the_decoupled_model(triton, tmp_path, model, llm):
     perf_analyzer = tool("perf_analyzer")
     data = tmp_path / "input_data.json"
-    data.write_text(json.dumps({"data": [{"text_input": [p], "stream": [True], "sampling_parameters": [PA_SAMPLING]}
+    # perf_analyzer 2.51 records every output the model declares in every response, and for one a response lacks
+    # it keeps a zero-length copy whose element 0 it still reads (fixed upstream in perf_analyzer b192b035, 24.11,
+    # whose wheels need glibc 2.38): for our only FP32 output, cumulative_logprob, stale heap bytes that are a NaN
+    # now and then, which rapidjson's Writer refuses, leaving the 64 KB FileWriteStream unflushed and the export
+    # empty (CI, stop 46). Asking for it puts a real value in every response (the other outputs it lacks are
+    # integers or strings, which cannot fail the writer) and checks it through this client as well.
+    data.write_text(json.dumps({"data": [{"text_input": [p], "stream": [True], "sampling_parameters": [PA_SAMPLING],
+                                          "return_cumulative_logprob": [True]}
                                          for p in PA_PROMPTS]}))
     export = tmp_path / "export.json"
     before = triton.success_count(model)
@@ -365,3 +376,5 @@ def test_perf_analyzer_streams_from_the_decoupled_model(triton, tmp_path, model,
     for r in requests:   # every token streamed back, as the Triton client gets them
         assert len(r["response_outputs"]) == 8
         assert "".join(o["text_output"] for o in r["response_outputs"]) == expected[r["request_inputs"]["text_input"]]
+        running = [o["cumulative_logprob"] for o in r["response_outputs"]]   # the sum so far, one per token
+        assert all(isinstance(v, float) for v in running) and all(b <= a <= 0 for a, b in zip([0.0] + running, running)), running
