@@ -9,7 +9,7 @@ from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
 from .contract.fields import SamplingLimits
 
 
-LM_HEAD_QUANTS = ("checkpoint", "int8", "int4")
+LM_HEAD_QUANTS = ("checkpoint", "int8", "int4", "int4a8")
 GREEDY_HEADS = ("auto", "int8", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -35,7 +35,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"        # fcfs | priority (vLLM: lower `priority` first, preempting higher)
     tq_seed: int = 0
     kernels: str = "auto"                  # auto | reference | cpu | triton | npu
-    lm_head_quant: str = "checkpoint"      # checkpoint (the head as stored) | int8 (per channel, A8W8) | int4 (group 128, W4A16)
+    # checkpoint (the head as stored) | int8 (per channel, A8W8) | int4 (group 128, W4A16) | int4a8 (int4's codes on
+    # int8 activations: llama.cpp's Q4_0 head in kind, kernels/reference/w4a8.py)
+    lm_head_quant: str = "checkpoint"
     # plain-greedy rows picked through an int8 screen of the checkpoint's float head, the same tokens (half the
     # head's bytes a step: layers/greedy_head.py) | off; auto: int8 on the CPU set with lm_head_quant checkpoint
     greedy_head: str = "auto"

@@ -10,9 +10,9 @@ weights and KV rows, the router, the 8 routed experts, the final norm and the he
 packed form: int8 + fp32 scale and column sum per row, int4 + fp32 scale and zero per group of 128) over a STREAM
 read (bench/step_profile.py) measured in the same rounds. The checkpoints keep lm_head in bf16 as the published MoE
 releases do; llama.cpp's Q8_0 / Q4_0 quantize theirs to Q8_0 / Q6_K, so the engine quantizes its head at load too:
-int8 for A8W8 (`--lm-head-quant int8`, the bytes of Q8_0's), int4 for W4A16 (`--lm-head-quant int4`, group 128:
-the bytes of a Q4_0 head, which llama.cpp's `q4_0-q4head` file has; its default Q4_0 file's Q6_K head reads 1.46x
-those). Only the ratios of one run mean anything on a shared host.
+int8 for A8W8 (`--lm-head-quant int8`, the bytes of Q8_0's), int4 codes on int8 activations for W4A16
+(`--lm-head-quant int4a8`, group 128: the bytes and the kind of arithmetic of a Q4_0 head, which llama.cpp's
+`q4_0-q4head` file has; its default Q4_0 file's Q6_K head reads 1.46x those). Only the ratios of one run mean anything on a shared host.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ SIZE = "30b-a3b"
 # engine format, checkpoint, the engine's lm_head_quant, llama.cpp quants (the first: the one llama-quantize makes by
 # default; q4_0-q4head: Q4_0 with its head in Q4_0, the bytes of the engine's int4 head, llama.cpp's side of a
 # bytes-matched comparison)
-PAIRS = (("A8W8", "a8w8", "int8", ("q8_0",)), ("W4A16", "w4a16", "int4", ("q4_0", "q4_0-q4head")))
+PAIRS = (("A8W8", "a8w8", "int8", ("q8_0",)), ("W4A16", "w4a16", "int4a8", ("q4_0", "q4_0-q4head")))
 QUANTS = tuple(q for *_, qs in PAIRS for q in qs)
 
 
@@ -65,12 +65,14 @@ def _w_bytes(fmt: str, n: int, k: int, group: int = 128) -> int:
         return n * k + 8 * n
     if fmt == "w4a16":
         return n * k // 2 + n * (k // group) * 8
+    if fmt == "w4a8":   # the int4a8 head: the same codes, fp32 scales (no zeros: 8)
+        return n * k // 2 + n * (k // group) * 4
     return 2 * n * k
 
 
 def bytes_per_token(cfg: dict, fmt: str, context: int, head: str = "int8", group: int = 128) -> dict[str, int]:
     """What one batch-1 decode token reads, by part, at `context` tokens in the KV cache (bf16); head: the
-    engine's lm_head_quant (int8, int4 in groups of 128, or checkpoint: bf16)."""
+    engine's lm_head_quant (int8, int4 / int4a8 in groups of 128, or checkpoint: bf16)."""
     h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     nh, kvh, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     inter, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
@@ -81,7 +83,7 @@ def bytes_per_token(cfg: dict, fmt: str, context: int, head: str = "int8", group
     experts = k * (_w_bytes(fmt, 2 * inter, h, group) + _w_bytes(fmt, h, inter, group))
     vocab = cfg["vocab_size"]
     head_group = INT4_HEAD_GROUP if h % INT4_HEAD_GROUP == 0 else h   # layers/linear.py int4_head_weight's groups
-    head_w = _w_bytes({"int8": "a8w8", "int4": "w4a16"}.get(head, "bf16"), vocab, h, head_group)
+    head_w = _w_bytes({"int8": "a8w8", "int4": "w4a16", "int4a8": "w4a8"}.get(head, "bf16"), vocab, h, head_group)
     return {"attention": layers * attn, "kv": layers * kv, "router": layers * router, "experts": layers * experts,
             "head": head_w + 2 * h + 2 * h, "total": layers * (attn + kv + router + experts) + head_w + 4 * h}
 

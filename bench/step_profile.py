@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-LINEAR_OPS = ("a8w8_linear", "float_linear", "w4a16_linear")
+LINEAR_OPS = ("a8w8_linear", "float_linear", "w4a16_linear", "w4a8_linear")
 
 
 def decode_weight_mb(model) -> float:
@@ -459,8 +459,8 @@ def main() -> None:
                     "parallel region per step, per phase (decode_layers_profile), with the head, sampling and the rest; "
                     "each thread count's fastest of --rounds rounds, a STREAM read right after it")
     ap.add_argument("--json", default=None, help="also write the figures here")
-    ap.add_argument("--lm-head-quant", default="checkpoint", help="checkpoint (the head as stored), int8 or int4 "
-                    "(EngineConfig.lm_head_quant: the heads the MoE group's engines run)")
+    ap.add_argument("--lm-head-quant", default="checkpoint", help="checkpoint (the head as stored), int8, int4 or "
+                    "int4a8 (EngineConfig.lm_head_quant: the heads the MoE group's engines run)")
     ap.add_argument("--greedy-head", default="auto", help="auto / int8 / off (EngineConfig.greedy_head: the int8 screen "
                     "of a float head's greedy rows; auto: on with the checkpoint's head on the CPU set)")
     args = ap.parse_args()

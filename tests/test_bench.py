@@ -180,6 +180,8 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
     assert w4_int4["head"] == 151936 * 1024 + 151936 * 16 * 8 + 4 * 2048
     assert bytes_per_token(cfg, "w4a16", context=100, head="checkpoint")["head"] == 2 * 151936 * 2048 + 4 * 2048
     assert w4_int4["total"] == sum(v for k, v in w4_int4.items() if k != "total")
+    # int4a8: the same codes, fp32 scales only (the zero point is 8), as W4A8Linear's prepared weight holds them
+    assert bytes_per_token(cfg, "w4a16", context=100, head="int4a8")["head"] == 151936 * 1024 + 151936 * 16 * 4 + 4 * 2048
 
     moe = tmp_path / "qwen3-30b-a3b-l4-bf16"
     moe.mkdir()

@@ -79,12 +79,34 @@ class Kernels:
     # call (screen_terms, the int8 product, greedy_screen, float_linear_rows, the first maximum), (all -1, -1) where
     # a row cannot be certified; None: ScreenedHead.greedy_picks composes those steps from the slots above
     greedy_head_picks: Callable | None = None
+    # (codes uint8 [N, K] in 0..15, zero point 8, scales fp32 [N, G]) -> the int4 head in this set's form for
+    # w4a8_linear (`lm_head_quant: int4a8`); None: kernels/reference/w4a8.py's (torch ops, any device)
+    w4a8_prepare: Callable | None = None
+    # (x [M, K], prepared) -> y [M, N] in x.dtype: the int4 head on per-row int8 activations, the arithmetic of
+    # kernels/reference/w4a8.py bit for bit; None: that reference
+    w4a8_linear: Callable | None = None
 
     def linear_rows(self, x, prepared, ids):
         """float_linear(x, prepared, fp32)[:, ids] through the set's float_linear_rows where it has one."""
         if self.float_linear_rows is not None:
             return self.float_linear_rows(x, prepared, ids)
         return self.float_linear(x, prepared, torch.float32).index_select(-1, ids)
+
+    def w4a8_prepared(self, codes, scales):
+        """The int4 head's weight for w4a8: the set's w4a8_prepare where it has one, else the reference's."""
+        if self.w4a8_prepare is not None:
+            return self.w4a8_prepare(codes, scales)
+        from .reference.w4a8 import w4a8_prepare
+
+        return w4a8_prepare(codes, scales)
+
+    def w4a8(self, x, prepared):
+        """The int4 head on int8 activations through the set's w4a8_linear, else the reference (the same bits)."""
+        if self.w4a8_linear is not None:
+            return self.w4a8_linear(x, prepared)
+        from .reference.w4a8 import w4a8_linear
+
+        return w4a8_linear(x, prepared)
 
     def zeros(self, shape, dtype, device):
         """A zero tensor for a buffer streamed every step (KV pools): the set's stream_zeros, else torch.zeros."""

@@ -71,6 +71,25 @@ class W4A16Linear(nn.Module):
         return self.kernels.w4a16_linear(x, self.prepared)
 
 
+class W4A8Linear(nn.Module):
+    """The int4 head on int8 activations (`lm_head_quant: int4a8`): int4_head_weight's codes and scales (zero point
+    8) in the kernel set's form, y as kernels/reference/w4a8.py computes it (llama.cpp's Q4_0 head in kind)."""
+
+    def __init__(self, weight: Int4Weight, kernels: Kernels):
+        super().__init__()
+        if weight.perm is not None or not bool((weight.zeros == 8).all()):
+            raise ValueError("int4a8: the head's codes must be symmetric (zero point 8) and in column order")
+        self.out_features, self.in_features = weight.codes.shape
+        self.kernels = kernels
+        self.prepared = kernels.w4a8_prepared(weight.codes, weight.scales)
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype: as A8W8Linear's (x converted first: exact for bf16 -> fp32, the quantized row unchanged)."""
+        if out_dtype is not None and out_dtype != x.dtype:
+            x = x.to(out_dtype)
+        return self.kernels.w4a8(x, self.prepared)
+
+
 class ConcatLinear(nn.Module):
     """Several Linear modules on one input, outputs concatenated (projections that cannot be fused)."""
 
@@ -140,13 +159,16 @@ def int4_head_weight(weight: torch.Tensor, rows_per_chunk: int = 8192) -> Int4We
 def make_head(weight: torch.Tensor, kernels: Kernels, lm_head_quant: str, greedy_head: str = "off") -> nn.Module:
     """The lm_head module of a float weight [vocab rows, hidden] for EngineConfig.lm_head_quant: 'checkpoint'
     (the weight as stored: FloatLinear, which also serves a tied embedding's rows), 'int8' (per channel, the
-    A8W8 kernel) or 'int4' (per group of 128, the W4A16 kernel). The quantized ones quantize each row on its
+    A8W8 kernel), 'int4' (per group of 128, the W4A16 kernel) or 'int4a8' (int4's codes on int8 activations, the
+    w4a8 slot). The quantized ones quantize each row on its
     own, so a tensor-parallel rank's rows quantize as they do at TP = 1. greedy_head 'int8' (with the checkpoint's
     head): a ScreenedHead, the same FloatLinear plus an int8 screen of its greedy rows (layers/greedy_head.py)."""
     if lm_head_quant == "int8":
         return quantize_linear(weight, kernels)
     if lm_head_quant == "int4":
         return W4A16Linear(int4_head_weight(weight), kernels)
+    if lm_head_quant == "int4a8":
+        return W4A8Linear(int4_head_weight(weight), kernels)
     if lm_head_quant != "checkpoint":
         raise ValueError(f"lm_head_quant: {lm_head_quant!r} is not supported")
     if greedy_head == "int8":

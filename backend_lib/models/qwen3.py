@@ -116,7 +116,7 @@ class Qwen3ForCausalLM(nn.Module):
     def from_checkpoint(cls, store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
                         device: torch.device, kernels: Kernels, max_positions: int,
                         lm_head_quant: str = "checkpoint", greedy_head: str = "off") -> "Qwen3ForCausalLM":
-        """lm_head_quant: 'checkpoint' (the head as the checkpoint stores it), 'int8' or 'int4' (quantized at
+        """lm_head_quant: 'checkpoint' (the head as the checkpoint stores it), 'int8', 'int4' or 'int4a8' (quantized at
         load: layers/linear.py make_head; a tied embedding then keeps its own float rows). greedy_head 'int8': the
         checkpoint's head with an int8 screen of its greedy rows (layers/greedy_head.py)."""
         t0 = time.time()

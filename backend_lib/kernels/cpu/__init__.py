@@ -21,14 +21,22 @@ def _w4a16_prepare(codes, scales, zeros, perm=None):
     # The AVX-512 path subtracts zeros as 2^23 + zero, exact for the integers every int4 format stores.
     if not bool((zeros == zeros.round()).all()) or bool((zeros.abs() > 2 ** 20).any()):
         raise ValueError("w4a16: zero points must be integers (int4 codes)")
-    panels = -(-n // 64)
-
-    def blocked(t):
-        t = torch.cat([t.float(), t.new_zeros(panels * 64 - n, g, dtype=torch.float32)])
-        return t.reshape(panels, 64, g).transpose(1, 2).contiguous()
-
     perm = torch.empty(0, dtype=torch.int64) if perm is None else perm.to(torch.int64).contiguous()
-    return torch.ops.qwen3_cpu.w4a16_pack(codes), blocked(scales), blocked(zeros), perm, n, _lut_zero(scales, zeros)
+    return (torch.ops.qwen3_cpu.w4a16_pack(codes), _panel_blocked(scales), _panel_blocked(zeros), perm, n,
+            _lut_zero(scales, zeros))
+
+
+def _panel_blocked(t):
+    """fp32 [N, G] -> [ceil(N / 64), G, 64], each panel's 64 outputs contiguous per group (padding: 0)."""
+    n, g = t.shape
+    panels = -(-n // 64)
+    t = torch.cat([t.float(), t.new_zeros(panels * 64 - n, g, dtype=torch.float32)])
+    return t.reshape(panels, 64, g).transpose(1, 2).contiguous()
+
+
+def _w4a8_prepare(codes, scales):
+    """(packed int32 [N/64, K/8, 64] as w4a16_pack's, scales fp32 [N/64, G, 64], N): csrc/w4a8.cpp, zero point 8."""
+    return torch.ops.qwen3_cpu.w4a16_pack(codes), _panel_blocked(scales), scales.shape[0]
 
 
 def _lut_zero(scales, zeros) -> float:
@@ -60,6 +68,8 @@ def load(cache_dir=None) -> Kernels | None:
         a8w8_linear=lambda x, prepared: ops.a8w8_linear(x, *prepared),
         w4a16_prepare=_w4a16_prepare,
         w4a16_linear=lambda x, p: ops.w4a16_linear(x, *p),
+        w4a8_prepare=_w4a8_prepare,
+        w4a8_linear=lambda x, p: ops.w4a8_linear(x, *p),
         float_prepare=lambda w: (ops.float_pack(w), w.shape[0], w.shape[1]),
         float_linear=lambda x, p, out_dtype=None: ops.float_linear(x, p[0], p[1], out_dtype),
         float_rows=lambda p, ids: ops.float_packed_rows(p[0], ids, p[2]),

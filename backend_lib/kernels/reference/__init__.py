@@ -9,13 +9,14 @@ from .ops import (a8w8_linear, add_rms_norm, attend, float_linear, gather_contex
                   qk_norm_rope, quantize_per_token, rms_norm, rotary, rotary_cos_sin, silu_mul, tq_paged_attention,
                   tq_write, write_kv)
 from .w4a16 import w4a16_dequantize, w4a16_linear, w4a16_prepare
+from .w4a8 import w4a8_linear, w4a8_prepare
 # the layout and codec helpers the reference is built on, reachable as reference.<name> like its ops
 from ...kv_cache.layout import key_blocks_to_rows
 from ...kv_cache.tq_codec import tq_encode, tq_unpack
 
 __all__ = ["KERNELS", "a8w8_linear", "add_rms_norm", "attend", "float_linear", "gather_context", "int8_matmul",
            "paged_attention", "qk_norm_rope", "quantize_per_token", "rms_norm", "rotary", "rotary_cos_sin",
-           "silu_mul", "tq_paged_attention", "tq_write", "w4a16_dequantize", "w4a16_linear", "w4a16_prepare", "write_kv",
+           "silu_mul", "tq_paged_attention", "tq_write", "w4a16_dequantize", "w4a16_linear", "w4a16_prepare", "w4a8_linear", "w4a8_prepare", "write_kv",
            "key_blocks_to_rows", "tq_encode", "tq_unpack"]
 
 KERNELS = Kernels(

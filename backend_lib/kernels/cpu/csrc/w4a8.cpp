@@ -1,0 +1,233 @@
+// W4A8: the int4 head on int8 activations (`lm_head_quant: int4a8`), y = x W^T with W[n, k] = (q[n, k] - 8) *
+// scale[n, g] (the int4 head's symmetric codes, g = k / group) and x quantized per row as the A8W8 linears do.
+//
+// Arithmetic of every output element, whatever the ISA path, tile shape or batch (kernels/reference/w4a8.py is
+// the same in torch ops):
+//   s_x = max|x| / 127 (1 for a zero row), xq = clamp(round_half_even(x / s_x), -128, 127)      (int8, per row)
+//   isum_g = sum_{k in g} xq[k] (q[n, k] - 8)                                                  (exact int32)
+//   acc = 0; for g = 0 .. G-1 in order: acc = acc + float(isum_g) * scale[n, g]   (fp32: a product, then a sum)
+//   y = acc * s_x, rounded to x's dtype once.
+// float(isum_g) is exact (|isum_g| <= 128 * 8 * group < 2^24 for groups up to 16384 columns), so rows are
+// bit-identical alone or batched and every path gives the same bits. This is llama.cpp's Q4_0 x Q8_0 dot
+// product in kind (integer sums per block, one float scale per block), where the W4A16 head turns every code into
+// an fp32 FMA: on two AVX2 Zen 3 cores that loop reads ~10 GB/s of codes, compute-bound, and the 151,936 x 2,048
+// head is half of the W4A16 MoE's step (docs/performance.md).
+//
+// Weight: w4a16_pack's layout (int32 [NP, K8, 64]: word (p, o, i) holds output 64p + i's codes at columns 8o ..
+// 8o + 7, column 8o + j at bits 4j) and scales fp32 [NP, G, 64]; the zero point is 8 (the Python side checks).
+// AVX2 (also the AVX-512 builds): a word's low nibbles w & 0x0F0F0F0F are its columns 0, 2, 4, 6 as unsigned
+// bytes and (w >> 4) & 0x0F0F0F0F its columns 1, 3, 5, 7, so with the row's quantized bytes of those columns
+// broadcast as two dwords, vpmaddubsw (codes <= 15 times |xq| <= 128: a pair <= 3,840, no saturation) + vpaddw
+// (<= 7,680) + vpmaddwd by ones give the octet's 8 products per output in its int32 lane: 9 vector instructions
+// per 64 weights, where the W4A16 tile spends ~48 on fp32. The group's exact sum of xq q minus 8 x its sum of xq
+// is isum_g. The rows' dwords are laid out once per call (W8Args::xd) and broadcast from memory in the loop: built
+// from the bytes in the loop (four rows a quarter panel at batch 16) the scalar work held the 30B-A3B head at 66 ms
+// a batch-16 step, 45 ms after. Batch 1 takes a whole panel a pass (its 256 bytes an octet one stream): on the
+// 2-core AVX2 VM the head reads 24.4 GB/s of codes in the W4A16 MoE's step (bench.step_profile --region), 17.9 ms
+// -> 6.8 ms against the W4A16 head. Scalar path: the same integers and the same fp32 epilogue.
+#include <torch/library.h>
+#include <algorithm>
+#include <vector>
+#include "common.h"
+
+namespace qk {
+namespace {
+
+constexpr int64_t kPanel = 64;
+constexpr int64_t kOct = 8;
+
+struct W8Args {
+  const int8_t* xq;      // [M, K8 * 8] quantized rows (zero padded)
+  const int32_t* xd;     // [M, K8, 2] per octet the bytes of its columns 0, 2, 4, 6 and of 1, 3, 5, 7, as dwords
+  const int32_t* xsum;   // [M, G] sum of xq over each group
+  const float* sx;       // [M] row scales
+  const int32_t* w;      // [NP, K8, 64]
+  const float* scales;   // [NP, G, 64]
+  int64_t K8, G, ogroup;  // ogroup: octets per group (the vector path), 0 where an octet straddles a group
+  int64_t K, group;
+};
+
+template <typename T>
+void panel_scalar(const W8Args& a, int64_t M, int64_t p, T* y, int64_t N) {
+  const int32_t* wp = a.w + p * a.K8 * kPanel;
+  for (int64_t i = 0; i < kPanel && p * kPanel + i < N; ++i) {
+    const float* sp = a.scales + p * a.G * kPanel + i;
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xr = a.xq + m * a.K8 * kOct;
+      float acc = 0.f;
+      for (int64_t g = 0; g < a.G; ++g) {
+        int32_t isum = 0;
+        for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) {
+          const int32_t q = static_cast<int32_t>((static_cast<uint32_t>(wp[(k / kOct) * kPanel + i]) >> (4 * (k % kOct))) & 0xFu);
+          isum += static_cast<int32_t>(xr[k]) * (q - 8);
+        }
+        const float t = static_cast<float>(isum) * sp[g * kPanel];
+        acc = acc + t;
+      }
+      y[m * N + p * kPanel + i] = from_f<T>(acc * a.sx[m]);
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <typename T>
+inline void store8_upto(T* dst, __m256 v, int64_t n) {
+  if (n >= 8) return store8x(dst, v);
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int64_t l = 0; l < n; ++l) dst[l] = from_f<T>(tmp[l]);
+}
+
+// R rows x NV ymm of 8 outputs, from ymm column c0 of panel p. acc: the group's int32 sums; facc: the fp32 sums
+// over groups (touched once a group, kept in memory to leave the registers to the integer loop).
+template <int R, int NV, typename T>
+void tile_avx2(const W8Args& a, int64_t m0, int64_t p, int c0, T* y, int64_t N) {
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int32_t* wp = a.w + p * a.K8 * kPanel + c0 * 8;
+  const float* sp = a.scales + p * a.G * kPanel + c0 * 8;
+  alignas(32) float facc[R][NV][8] = {};
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256i acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_si256();
+    for (int64_t o = g * a.ogroup; o < (g + 1) * a.ogroup; ++o) {
+      for (int l = 0; l < NV * 32; l += 64)   // this tile's bytes of the octet, 16 octets (4 KiB of the panel) ahead
+        _mm_prefetch(reinterpret_cast<const char*>(wp + (o + 16) * kPanel) + l, _MM_HINT_T0);
+      const int32_t* xo8 = a.xd + (m0 * a.K8 + o) * 2;
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + o * kPanel + v * 8));
+        const __m256i ce = _mm256_and_si256(w, nib);                          // columns 0, 2, 4, 6
+        const __m256i co = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);   // columns 1, 3, 5, 7
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {   // the row's two dwords broadcast from memory (a load each, no register held)
+          const __m256i xe = _mm256_set1_epi32(xo8[r * a.K8 * 2]), xo = _mm256_set1_epi32(xo8[r * a.K8 * 2 + 1]);
+          const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(ce, xe), _mm256_maddubs_epi16(co, xo));
+          acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(s16, ones));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i corr = _mm256_set1_epi32(8 * a.xsum[(m0 + r) * a.G + g]);
+      for (int v = 0; v < NV; ++v) {
+        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][v], corr)),
+                                       _mm256_loadu_ps(sp + g * kPanel + v * 8));
+        _mm256_store_ps(facc[r][v], _mm256_add_ps(_mm256_load_ps(facc[r][v]), t));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 s = _mm256_set1_ps(a.sx[m0 + r]);
+    for (int v = 0; v < NV; ++v) {
+      const int64_t n = p * kPanel + (c0 + v) * 8;
+      if (n < N) store8_upto(y + (m0 + r) * N + n, _mm256_mul_ps(_mm256_load_ps(facc[r][v]), s), N - n);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void w4a8_panels(const W8Args& a, int64_t M, int64_t p0, int64_t p1, T* y, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (a.ogroup > 0) {
+    for (int64_t p = p0; p < p1; ++p) {
+      if (M == 1) {   // the whole panel a pass: its 256 bytes an octet are one stream
+        tile_avx2<1, 8>(a, 0, p, 0, y, N);
+        continue;
+      }
+      for (int c0 = 0; c0 < 8; c0 += 2) {   // a quarter panel a pass, up to four rows sharing its codes
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) tile_avx2<4, 2>(a, m, p, c0, y, N);
+        switch (M - m) {
+          case 3: tile_avx2<3, 2>(a, m, p, c0, y, N); break;
+          case 2: tile_avx2<2, 2>(a, m, p, c0, y, N); break;
+          case 1: tile_avx2<1, 2>(a, m, p, c0, y, N); break;
+          default: break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t p = p0; p < p1; ++p) panel_scalar(a, M, p, y, N);
+}
+
+// The reference's per-row quantization (kernels/reference/ops.py quantize_per_token): fp32 division, round half
+// to even, clamped; a zero row has scale 1.
+template <typename T>
+float quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f(x[k])));
+  const float scale = amax > 0.f ? amax / 127.0f : 1.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    float v = std::nearbyint(to_f(x[k]) / scale);
+    v = std::min(127.f, std::max(-128.f, v));
+    q[k] = static_cast<int8_t>(static_cast<int>(v));
+  }
+  for (int64_t k = K; k < Kp; ++k) q[k] = 0;
+  return scale;
+}
+
+}  // namespace
+
+// x [..., K] float -> y [..., N] in x's dtype; packed / scales from w4a16_pack and the CPU set's blocked scales.
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N) {
+  check_float_dtype(x, "w4a8_linear: x");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.is_contiguous() &&
+                  packed.size(2) == kPanel,
+              "w4a8_linear: packed must be contiguous int32 [N/64, K/8, 64] from w4a16_pack");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(2) == kPanel,
+              "w4a8_linear: scales must be contiguous fp32 [N/64, G, 64]");
+  const int64_t NP = packed.size(0), K8 = packed.size(1), K = x.size(-1), G = scales.size(1);
+  TORCH_CHECK(NP == (N + kPanel - 1) / kPanel && scales.size(0) == NP,
+              "w4a8_linear: packed / scale shapes do not match ", N, " outputs");
+  TORCH_CHECK(K8 == (K + kOct - 1) / kOct, "w4a8_linear: x has ", K, " features, the weight ", K8 * kOct);
+  TORCH_CHECK(G > 0 && K % G == 0 && K / G <= 16384, "w4a8_linear: ", G, " groups of ", K, " features");
+  const int64_t group = K / G;
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y.reshape(out_shape);
+  std::vector<int8_t> xq(M * K8 * kOct);
+  std::vector<int32_t> xd(M * K8 * 2);
+  std::vector<int32_t> xsum(M * G);
+  std::vector<float> sx(M);
+  QK_DISPATCH_FLOAT(x.scalar_type(), "w4a8_linear", [&] {
+    const scalar_t* xp = x2.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      int8_t* q = xq.data() + m * K8 * kOct;
+      sx[m] = quantize_row(xp + m * K, K, K8 * kOct, q);
+      for (int64_t o = 0; o < K8; ++o)
+        for (int h = 0; h < 2; ++h) {
+          uint32_t d = 0;
+          for (int j = 0; j < 4; ++j) d |= static_cast<uint32_t>(static_cast<uint8_t>(q[o * kOct + 2 * j + h])) << (8 * j);
+          xd[(m * K8 + o) * 2 + h] = static_cast<int32_t>(d);
+        }
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t s = 0;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) s += q[k];
+        xsum[m * G + g] = s;
+      }
+    }
+    const W8Args a{xq.data(), xd.data(), xsum.data(), sx.data(), packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
+                   K8, G, (K % kOct == 0 && group % kOct == 0) ? group / kOct : 0, K, group};
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    parallel_chunks(NP, 2, [&](int64_t p0, int64_t p1) { w4a8_panels(a, M, p0, p1, yp, N); });
+  });
+  return y.reshape(out_shape);
+}
+
+}  // namespace qk
+
+// The operator namespace: qwen3_cpu in the kernel set; a test builds this file alone under another name with a
+// narrower instruction set (the scalar path) to compare the paths bit for bit on one machine.
+#ifndef QK_W4A8_LIB
+#define QK_W4A8_LIB qwen3_cpu
+#endif
+#define QK_W4A8_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+QK_W4A8_FRAGMENT(QK_W4A8_LIB, m) {
+  m.def("w4a8_linear(Tensor x, Tensor packed, Tensor scales, int n) -> Tensor", &qk::w4a8_linear);
+}
