@@ -99,6 +99,14 @@ inline void store8x(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8x(c10::BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), f32x8_to_bf16(v));
 }
+// The first n (<= 8) lanes, rounded as store8x does.
+template <typename T>
+inline void store8_upto(T* dst, __m256 v, int64_t n) {
+  if (n >= 8) return store8x(dst, v);
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int64_t l = 0; l < n; ++l) dst[l] = from_f<T>(tmp[l]);
+}
 // Rounds fp32 lanes to T's precision and back (identity for float).
 inline __m256 round_to(__m256 v, const float*) { return v; }
 inline __m256 round_to(__m256 v, const c10::BFloat16*) {

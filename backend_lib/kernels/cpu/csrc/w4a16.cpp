@@ -174,14 +174,6 @@ void tile_lut(const W4Args& a, int64_t p0, float z0, T* y, int64_t N) {
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-template <typename T>
-inline void store8_upto(T* dst, __m256 v, int64_t n) {
-  if (n >= 8) return store8x(dst, v);
-  alignas(32) float tmp[8];
-  _mm256_store_ps(tmp, v);
-  for (int64_t l = 0; l < n; ++l) dst[l] = from_f<T>(tmp[l]);
-}
-
 // R rows x NV ymm of 8 outputs, from ymm column c0 of panel p. As the AVX-512 tile: a code becomes a float by
 // (q & 0xF) | 0x4B000000 = 2^23 + q, minus (2^23 + zero) (hoisted per group, exact) is q - zero exactly, times the
 // scale (one rounding): the contract's (float(q) - zero) * scale without a conversion or a reload of the group's
@@ -232,6 +224,58 @@ void tile_avx2(const W4Args& a, int64_t m0, int64_t p, int c0, T* y, int64_t N) 
       if (n < N) store8_upto(y + (m0 + r) * N + n, acc[r][v], N - n);
     }
 }
+
+// Batch 1 when every zero point is one integer z0 in [0, 16] and every scale has at most 20 significant bits, normal
+// in [2^-100, 2^100] (w4a16_prepare's lut_zero, the AVX-512 lookup's condition): column j of an octet is taken in
+// place, q 2^4j = w & (0xF << 4j) (no shift; j = 7 shifted down), made a float by vcvtdq2ps (exact: at most 4
+// significant bits), and the weight is one fma, q 2^4j * (s 2^-4j) - z0 s: s 2^-4j and z0 s are exact (a power of
+// two; <= 4 x 20 bits), so it rounds (q - z0) s once, the contract's (float(q) - zero) * scale bit for bit, and
+// acc = fma(x[k], w, acc) follows as in tile_avx2. 4 vector instructions per 8 weights (and, convert, two fmas; the
+// mask and s 2^-4j memory operands) where tile_avx2 spends 6 (shift, and, or, subtract, multiply, fma).
+template <int NV, typename T>
+void tile_avx2_exact(const W4Args& a, int64_t p, int c0, float z0, T* y, int64_t N) {
+  __m256 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+  const int32_t* wp = a.w + p * a.K8 * kPanel + c0 * 8;
+  const float* sp = a.scales + p * a.G * kPanel + c0 * 8;
+  const int64_t ogroup = a.group / kOct;
+  const __m256 vz = _mm256_set1_ps(z0), sign = _mm256_set1_ps(-0.f);
+  alignas(32) int32_t masks[7][8];
+  for (int j = 0; j < 7; ++j)
+    for (int l = 0; l < 8; ++l) masks[j][l] = 0xF << (4 * j);
+  alignas(32) float sj[8][NV][8];   // s 2^-4j (j = 7: s, the column shifted down)
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256 nzs[NV];
+    for (int v = 0; v < NV; ++v) {
+      const __m256 sc = _mm256_loadu_ps(sp + g * kPanel + v * 8);
+      nzs[v] = _mm256_xor_ps(_mm256_mul_ps(vz, sc), sign);   // -(z0 s), exact
+      for (int j = 0; j < 7; ++j) _mm256_store_ps(sj[j][v], _mm256_mul_ps(sc, _mm256_set1_ps(1.f / static_cast<float>(1 << (4 * j)))));
+      _mm256_store_ps(sj[7][v], sc);
+    }
+    for (int64_t o = g * ogroup; o < (g + 1) * ogroup; ++o) {
+      const float* xo = a.x + o * kOct;
+      for (int l = 0; l < NV * 32; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wp + (o + kPrefetch) * kPanel) + l, _MM_HINT_T0);
+      __m256i w[NV];
+      for (int v = 0; v < NV; ++v) w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + o * kPanel + v * 8));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256 xb = _mm256_broadcast_ss(xo + j);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+          const __m256i q = j < 7 ? _mm256_and_si256(w[v], _mm256_load_si256(reinterpret_cast<const __m256i*>(masks[j < 7 ? j : 0])))
+                                  : _mm256_srli_epi32(w[v], 28);
+          const __m256 wt = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(sj[j][v]), nzs[v]);
+          acc[v] = _mm256_fmadd_ps(xb, wt, acc[v]);
+        }
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n = p * kPanel + (c0 + v) * 8;
+    if (n < N) store8_upto(y + n, acc[v], N - n);
+  }
+}
 #endif
 
 // All M rows for panels [p0, p1). The tile shapes only choose which elements are computed together.
@@ -270,6 +314,11 @@ void w4a16_panels(const W4Args& a, int64_t M, int64_t p0, int64_t p1, T* y, int6
   // 16 ymm: one row takes half a panel a pass (4 accumulators, 4 zeros, 4 scales), up to three rows a quarter (the
   // dequantized weight shared by their fmas); a panel's 64 KB or so stay in L2 between its passes
   for (int64_t p = p0; p < p1; ++p) {
+    if (M == 1 && lut_zero >= 0.f) {
+      tile_avx2_exact<4>(a, p, 0, lut_zero, y, N);
+      tile_avx2_exact<4>(a, p, 4, lut_zero, y, N);
+      continue;
+    }
     if (M == 1) {
       tile_avx2<1, 4>(a, 0, p, 0, y, N);
       tile_avx2<1, 4>(a, 0, p, 4, y, N);

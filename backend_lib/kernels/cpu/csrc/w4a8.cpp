@@ -70,14 +70,6 @@ void panel_scalar(const W8Args& a, int64_t M, int64_t p, T* y, int64_t N) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-template <typename T>
-inline void store8_upto(T* dst, __m256 v, int64_t n) {
-  if (n >= 8) return store8x(dst, v);
-  alignas(32) float tmp[8];
-  _mm256_store_ps(tmp, v);
-  for (int64_t l = 0; l < n; ++l) dst[l] = from_f<T>(tmp[l]);
-}
-
 // R rows x NV ymm of 8 outputs, from ymm column c0 of panel p. acc: the group's int32 sums; facc: the fp32 sums
 // over groups (touched once a group, kept in memory to leave the registers to the integer loop).
 template <int R, int NV, typename T>
