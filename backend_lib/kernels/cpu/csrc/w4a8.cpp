@@ -44,7 +44,7 @@ struct W8Args {
   const int32_t* w;      // [NP, K8, 64]
   const float* scales;   // [NP, G, 64]
   int64_t K8, G, ogroup;  // ogroup: octets per group (the vector path), 0 where an octet straddles a group
-  int64_t K, group;
+  int64_t group;         // columns per group
 };
 
 template <typename T>
@@ -205,7 +205,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       }
     }
     const W8Args a{xq.data(), xd.data(), xsum.data(), sx.data(), packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                   K8, G, (K % kOct == 0 && group % kOct == 0) ? group / kOct : 0, K, group};
+                   K8, G, (K % kOct == 0 && group % kOct == 0) ? group / kOct : 0, group};
     scalar_t* yp = y.data_ptr<scalar_t>();
     parallel_chunks(NP, 2, [&](int64_t p0, int64_t p1) { w4a8_panels(a, M, p0, p1, yp, N); });
   });
