@@ -94,8 +94,10 @@ def test_the_cpu_kernel_refuses_mismatched_shapes():
 
 
 @pytest.mark.slow
-def test_the_scalar_build_gives_the_native_builds_bits(tmp_path):
-    """w4a8.cpp built alone without AVX2 (every element on the scalar path) gives this machine's build's bits."""
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_narrower_builds_give_the_native_builds_bits(tmp_path, isa):
+    """w4a8.cpp built alone without AVX2 (every element on the scalar path), or with AVX2 but no VNNI (the
+    vpmaddubsw loop, where an AVX-512 / AVX-VNNI host's build runs vpdpbusd), gives this machine's build's bits."""
     import platform
 
     from torch.utils import cpp_extension
@@ -109,11 +111,11 @@ def test_the_scalar_build_gives_the_native_builds_bits(tmp_path):
     prepared = cpu.w4a8_prepared(codes, scales)
     x = _rows(6, 1024, torch.bfloat16, 4)
     want = [cpu.w4a8(x, prepared), cpu.w4a8(x[:1], prepared)]
-    lib = "qwen3_w4a8_scalar"
+    lib = f"qwen3_w4a8_{isa}"
     out = tmp_path / lib
     out.mkdir()
     cpp_extension.load(name=lib, sources=[str(build.CSRC / "w4a8.cpp")], build_directory=str(out),
-                       extra_cflags=build._cflags("scalar") + [f"-DQK_W4A8_LIB={lib}"],
+                       extra_cflags=build._cflags(isa) + [f"-DQK_W4A8_LIB={lib}"],
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     op = getattr(torch.ops, lib).w4a8_linear
     assert torch.equal(op(x, *prepared), want[0]) and torch.equal(op(x[:1], *prepared), want[1])

@@ -15,11 +15,12 @@
 //
 // Weight: w4a16_pack's layout (int32 [NP, K8, 64]: word (p, o, i) holds output 64p + i's codes at columns 8o ..
 // 8o + 7, column 8o + j at bits 4j) and scales fp32 [NP, G, 64]; the zero point is 8 (the Python side checks).
-// AVX2 (also the AVX-512 builds): a word's low nibbles w & 0x0F0F0F0F are its columns 0, 2, 4, 6 as unsigned
+// AVX2 (also the AVX-512 builds, in ymm): a word's low nibbles w & 0x0F0F0F0F are its columns 0, 2, 4, 6 as unsigned
 // bytes and (w >> 4) & 0x0F0F0F0F its columns 1, 3, 5, 7, so with the row's quantized bytes of those columns
 // broadcast as two dwords, vpmaddubsw (codes <= 15 times |xq| <= 128: a pair <= 3,840, no saturation) + vpaddw
 // (<= 7,680) + vpmaddwd by ones give the octet's 8 products per output in its int32 lane: 9 vector instructions
-// per 64 weights, where the W4A16 tile spends ~48 on fp32. The group's exact sum of xq q minus 8 x its sum of xq
+// per 64 weights, where the W4A16 tile spends ~48 on fp32 (with VNNI, AVX-512 or AVX-VNNI, two vpdpbusd do the
+// three's work: 5 per 64). The group's exact sum of xq q minus 8 x its sum of xq
 // is isum_g. The rows' dwords are laid out once per call (W8Args::xd) and broadcast from memory in the loop: built
 // from the bytes in the loop (four rows a quarter panel at batch 16) the scalar work held the 30B-A3B head at 66 ms
 // a batch-16 step, 45 ms after. Batch 1 takes a whole panel a pass (its 256 bytes an octet one stream): on the
@@ -70,11 +71,27 @@ void panel_scalar(const W8Args& a, int64_t M, int64_t p, T* y, int64_t N) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// VNNI (AVX-512 VNNI + VL, or AVX-VNNI): vpdpbusd adds the four u8 x s8 products of each dword to its int32 lane
+// without saturation, so one instruction does vpmaddubsw + vpmaddwd's work on the same integers: 5 vector
+// instructions per 64 weights instead of 9, the same isum_g and the same bits. The 151,936 x 2,048 head on a 2-core
+// AVX-512 Zen 4 VM, 2 threads, alternated with the vpmaddubsw loop: 4.6-5.1 -> 4.2-4.6 ms at batch 1, 25.7 -> 21.0-21.6
+// ms at batch 16.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QK_W4A8_VNNI 1
+inline __m256i qk_dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+#elif defined(__AVXVNNI__)
+#define QK_W4A8_VNNI 1
+inline __m256i qk_dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+#else
+#define QK_W4A8_VNNI 0
+#endif
+
 // R rows x NV ymm of 8 outputs, from ymm column c0 of panel p. acc: the group's int32 sums; facc: the fp32 sums
 // over groups (touched once a group, kept in memory to leave the registers to the integer loop).
 template <int R, int NV, typename T>
 void tile_avx2(const W8Args& a, int64_t m0, int64_t p, int c0, T* y, int64_t N) {
-  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int32_t* wp = a.w + p * a.K8 * kPanel + c0 * 8;
   const float* sp = a.scales + p * a.G * kPanel + c0 * 8;
   alignas(32) float facc[R][NV][8] = {};
@@ -94,8 +111,12 @@ void tile_avx2(const W8Args& a, int64_t m0, int64_t p, int c0, T* y, int64_t N) 
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {   // the row's two dwords broadcast from memory (a load each, no register held)
           const __m256i xe = _mm256_set1_epi32(xo8[r * a.K8 * 2]), xo = _mm256_set1_epi32(xo8[r * a.K8 * 2 + 1]);
+#if QK_W4A8_VNNI
+          acc[r][v] = qk_dpbusd(qk_dpbusd(acc[r][v], ce, xe), co, xo);
+#else
           const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(ce, xe), _mm256_maddubs_epi16(co, xo));
           acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(s16, ones));
+#endif
         }
       }
     }
