@@ -232,9 +232,11 @@ def _cancel_cycles(server) -> None:
     Why the warm-up: the stub's RSS rises by ~50-65 MiB over the first ~80 cycles (allocator arenas, oneDNN and
     gRPC buffers touched by the first requests; measured every 20 cycles over 400: 344, 391, 395, 400, 408,
     then 408.5-409.7 to cycle 380), which is what failed a CI run that took its baseline before the first
-    request (407 -> 472 MiB). After the warm-up a leak lifts the floor: the lowest sample of the last third of
-    the measured cycles must stay within 16 MiB of the sample at the warm-up's end, which catches a leak of
-    >= ~110 KiB per cancelled request (16 MiB over the ~150 cycles)."""
+    request (407 -> 472 MiB). After the warm-up a leak grows the stub a little at every request: the median of the
+    rises between successive samples (every 10 cycles) must stay under 16 MiB over the 15 intervals, which catches a
+    leak of >= ~110 KiB per cancelled request; the median, because a one-time step is not a leak (a clean-clone CI
+    run saw 457 -> 460 MiB, one 22 MiB step at cycle ~200, then 482.37-482.38 MiB to the end: an allocator arena or
+    a thread's buffers touched once). A lump that large must still stay under 64 MiB in all."""
     url, m = server.grpc_url, "qwen3_a8w8"
     total = CANCEL_WARMUP + CANCEL_MEASURED
     rss: dict[int, float] = {}
@@ -260,8 +262,13 @@ def _cancel_cycles(server) -> None:
                                 "stub_rss_mib_after_warmup": round(base, 1),
                                 "stub_rss_mib_samples": [round(v, 1) for v in rss.values()]}
     assert cancelled >= total
-    assert min(last_third) - base < 16, (
-        f"memory grew after the {CANCEL_WARMUP}-cycle warm-up: {base:.0f} -> {[round(v) for v in rss.values()]} MiB")
+    samples = list(rss.values())
+    rises = sorted(b - a for a, b in zip(samples, samples[1:]))
+    per_interval = rises[len(rises) // 2]
+    seen = f"{base:.0f} -> {[round(v) for v in samples]} MiB"
+    assert per_interval * len(rises) < 16, f"memory grows at every sample after the {CANCEL_WARMUP}-cycle warm-up: {seen}"
+    assert min(last_third) - base < 64, f"memory grew after the {CANCEL_WARMUP}-cycle warm-up: {seen}"
+
 
 
 def test_closed_http_generate_stream_aborts_the_request(server):

@@ -482,7 +482,8 @@ def test_a_worker_started_from_its_config_pbtxt_joins_rank_0(tmp_path, a8w8_ckpt
         assert engine_ids(two, False) == want
     finally:
         two.runner.tp.close()
-    assert worker.wait(30) == 0
+    rc = worker.wait(30)
+    assert rc == 0, worker.stderr.read()[-3000:]
     del two
     import torch.distributed as dist
     assert not dist.is_initialized()

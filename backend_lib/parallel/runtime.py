@@ -399,6 +399,14 @@ def main(argv=None) -> None:
         cfg = config_from_pbtxt(args.model_config, args.model or os.path.basename(os.path.dirname(
             os.path.abspath(args.model_config))))
     worker_main(cfg)
+    # STOP received: the rank's work is done. Leave without the interpreter's teardown, which would run the process
+    # group's C++ destructors while rank 0 closes its side of the same connections (a clean-clone CI run saw this
+    # worker end with SIGABRT right after STOP, its answers all correct; not reproduced in 4 reruns). Rank 0 ends
+    # the group itself (Workers.close).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":
