@@ -135,10 +135,14 @@ def test_overload_is_refused_at_once_with_unavailable(server):
     body = json.dumps({"text_input": PROMPT, "max_tokens": 150, "temperature": 0,
                        "sampling_parameters": json.dumps({"ignore_eos": True})}).encode()
     results: list = [None] * 8
+    # all 8 sent together: one runs, 2 wait, the rest must be refused. Sent 50 ms apart (as before), a fast host
+    # finished each 150-token request before the next few arrived and refused none (a clean-clone CI run)
+    start = threading.Barrier(8)
 
     def run(i):
-        t0 = time.perf_counter()
         req = urllib.request.Request(f"http://{server.http_url}/v2/models/{m}/generate", data=body)
+        start.wait(30)
+        t0 = time.perf_counter()
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 results[i] = (r.status, json.loads(r.read()), time.perf_counter() - t0)
@@ -148,7 +152,6 @@ def test_overload_is_refused_at_once_with_unavailable(server):
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-        time.sleep(0.05)
     for t in threads:
         t.join(120)
     refused = [r for r in results if r[0] != 200]
