@@ -2,6 +2,8 @@
 
     python -m bench.step_profile [--checkpoint DIR] [--threads 1,2] [--steps 64] [--context 128] [--layer-loop on,off]
     python -m bench.step_profile --region [--threads 1,2] [--rounds 5]     # the C++ loop's one region, per phase
+    python -m bench.step_profile --region --batch 16 --checkpoint demo_checkpoints/qwen3-30b-a3b-l4-w4a16 \
+        --lm-head-quant int4a8 --threads 2 --rounds 2                       # 16 sequences a step (time per phase)
     QWEN3_CPU_ISA=avx2 python -m bench.step_profile --region --threads 2   # the same for the AVX2 build of the kernels
 
 One sequence with a `--context`-token prompt decodes `--steps` tokens twice per thread count: once as the
@@ -135,14 +137,18 @@ class OpTimer:
         self.runner.prepare, self.runner.sampler = self.orig_prepare, self.orig_sampler
 
 
-def decode_steps(eng, context: int, steps: int, seed: int, timer: "OpTimer | None" = None) -> list[float]:
-    """Step times (s) of `steps` batch-1 decode steps after a `context`-token prefill; `timer` times the
-    kernel calls of those steps only."""
+def decode_steps(eng, context: int, steps: int, seed: int, timer: "OpTimer | None" = None,
+                 batch: int = 1) -> list[float]:
+    """Step times (s) of `steps` decode steps of `batch` sequences after their `context`-token prefills; `timer`
+    times the kernel calls of those steps only."""
     from bench.workers.common import prompts
 
-    eng.add_request(f"p{seed}", prompts(1, context, seed=seed)[0],
-                    eng.make_params({"temperature": 0, "max_tokens": steps + 4, "ignore_eos": True}))
-    eng.step()   # prefill (and the first token)
+    for i, prompt in enumerate(prompts(batch, context, seed=seed)):
+        eng.add_request(f"p{seed}-{i}", prompt,
+                        eng.make_params({"temperature": 0, "max_tokens": steps + 4, "ignore_eos": True}))
+    sched = eng.scheduler
+    while sched.waiting or any(s.num_pending > 1 for s in sched.running):
+        eng.step()   # the prefills (and each sequence's first token)
     eng.step()
     if timer:
         timer.install()
@@ -311,15 +317,15 @@ def kv_bytes_per_step(eng, context: int, steps: int) -> int:
     return round(kv_bytes_per_token(eng) * (context + 2 + (steps - 1) / 2))
 
 
-def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict:
-    """One sequence's batch-1 decode with the C++ layer loop, its one parallel region accounted per phase
+def region_round(eng, threads: int, context: int, steps: int, seed: int, batch: int = 1) -> dict:
+    """`batch` sequences' decode with the C++ layer loop (one by default), its one parallel region accounted per phase
     (torch.ops.qwen3_cpu.decode_layers_profile, per step; the median over steps of each phase, averaged over the
     threads, whose phases each sum to the region's time) and the kernels called from Python (the head, the
     embedding rows, sampling, prepare) timed as in the Python-loop profile."""
     torch.set_num_threads(threads)
     model = eng.runner.model
     model.use_layer_loop = True
-    decode_steps(eng, context, 4, seed=seed + 99)   # warm (and the team at this width)
+    decode_steps(eng, context, 4, seed=seed + 99, batch=batch)   # warm (and the team at this width)
     loop = model.layer_loop
     prof = torch.ops.qwen3_cpu.decode_layers_profile
 
@@ -354,7 +360,7 @@ def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict
     model.layer_loop = TimedLoop()
     prof(True)
     try:
-        timed = decode_steps(eng, context, steps, seed=seed, timer=timer)
+        timed = decode_steps(eng, context, steps, seed=seed, timer=timer, batch=batch)
     finally:
         model.layer_loop = loop
         prof(False)
@@ -390,7 +396,10 @@ def region_round(eng, threads: int, context: int, steps: int, seed: int) -> dict
         ops[label] = {"ms_per_step": ms, "mb_per_step": timer.bytes[label] / steps / 1e6,
                       "gb_per_s": (timer.bytes[label] / (timer.ns[label] / 1e9) / 1e9) if timer.bytes[label] else None}
     rest = step_ms - med(layer_ns) / 1e6 - sum(timer.ns.values()) / steps / 1e6
-    return {"threads": threads, "step_ms": step_ms, "region_ms": region_ms, "ops": ops, "python_and_rest_ms": rest,
+    if batch > 1:   # the byte counts above are one sequence's (a batch shares the weights, the MoE's touched experts
+        for o in ops.values():   # vary): time per phase only
+            o.update(mb_per_step=0, gb_per_s=None, kv=False)
+    return {"threads": threads, "batch": batch, "step_ms": step_ms, "region_ms": region_ms, "ops": ops, "python_and_rest_ms": rest,
             "mb_per_token": sum(o["mb_per_step"] for o in ops.values()),
             "kv_mb_per_token": sum(o["mb_per_step"] for o in ops.values() if o.get("kv")), "phase_ms": phase_ms,
             "steps_in_region": len(profs)}
@@ -406,8 +415,13 @@ def region_table(results: list[dict]) -> str:
                        else (r["ops"][label]["ms_per_step"], r["ops"][label]["gb_per_s"]))
             cells.append(f"{ms:.2f} ({ms / r['step_ms'] * 100:.0f} %)" + (f", {gbs:.1f}" if gbs else ""))
         md.append(f"| {label} | " + " | ".join(cells) + " |")
+    batch = results[0].get("batch", 1)
     md.append("| **step (median)** | " + " | ".join(
-        f"{r['step_ms']:.2f} ms ({1000 / r['step_ms']:.1f} tokens/s; region {r['region_ms']:.2f})" for r in results) + " |")
+        f"{r['step_ms']:.2f} ms ({batch * 1000 / r['step_ms']:.1f} tokens/s; region {r['region_ms']:.2f})"
+        for r in results) + " |")
+    if batch > 1:   # no floor: the byte counts are one sequence's
+        md.append(f"| batch | {batch} sequences a step (time per phase only) |")
+        return "\n".join(md)
     md.append("| bytes read per token (weights + KV cache); STREAM read; floor; step / floor | " + " | ".join(
         f"{r['mb_per_token']:.0f} MB ({r['mb_per_token'] - r['kv_mb_per_token']:.0f} + {r['kv_mb_per_token']:.1f}); "
         f"{r['stream_read_gb_per_s']:.1f} GB/s; {r['mb_per_token'] / r['stream_read_gb_per_s']:.2f} ms; "
@@ -458,6 +472,8 @@ def main() -> None:
     ap.add_argument("--region", action="store_true", help="instead of the Python-loop profile: the C++ layer loop's one "
                     "parallel region per step, per phase (decode_layers_profile), with the head, sampling and the rest; "
                     "each thread count's fastest of --rounds rounds, a STREAM read right after it")
+    ap.add_argument("--batch", type=int, default=1, help="with --region: this many sequences decode together (time "
+                    "per phase; GB/s only at 1, whose bytes are one sequence's)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--lm-head-quant", default="checkpoint", help="checkpoint (the head as stored), int8, int4 or "
                     "int4a8 (EngineConfig.lm_head_quant: the heads the MoE group's engines run)")
@@ -467,8 +483,10 @@ def main() -> None:
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
 
-    eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="256MiB", max_model_len=1100,
-                                 max_num_seqs=1, enable_prefix_caching=False, lm_head_quant=args.lm_head_quant,
+    if args.batch > 1 and not args.region:
+        ap.error("--batch: with --region")
+    eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="256MiB" if args.batch == 1 else "1GiB",
+                                 max_model_len=1100, max_num_seqs=args.batch, enable_prefix_caching=False, lm_head_quant=args.lm_head_quant,
                                  greedy_head=args.greedy_head))
     if args.ab_steps:
         res = []
@@ -488,7 +506,7 @@ def main() -> None:
         best: dict[int, dict] = {}
         for r in range(args.rounds):
             for t in [int(t) for t in args.threads.split(",")]:
-                res = region_round(eng, t, args.context, args.steps, seed=10 * r + 1)
+                res = region_round(eng, t, args.context, args.steps, seed=10 * r + 1, batch=args.batch)
                 res["stream_read_gb_per_s"] = stream_read_gbs(t)
                 res["rounds_step_ms"] = best.get(t, {}).get("rounds_step_ms", []) + [res["step_ms"]]
                 if t not in best or res["step_ms"] < best[t]["step_ms"]:

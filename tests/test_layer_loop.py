@@ -273,6 +273,21 @@ def test_the_region_profile_accounts_for_a_moe_decode_step(moe_a8w8_ckpt):
     assert "MoE router GEMV" in region_table([r])
 
 
+def test_the_region_profile_of_a_batch_times_its_phases_without_a_floor(moe_a8w8_ckpt):
+    """bench.step_profile --region --batch N: N sequences decode together in the region; time per phase, no byte
+    counts (they are one sequence's) and no floor line."""
+    from bench.step_profile import region_round, region_table
+    eng = make_engine(moe_a8w8_ckpt, dtype="bfloat16", max_num_seqs=3, kv_cache_memory="4MiB", max_model_len=256)
+    r = region_round(eng, threads=2, context=16, steps=4, seed=1, batch=3)
+    assert r["batch"] == 3 and r["steps_in_region"] == 4
+    assert r["ops"]["MoE experts gate_up (the routed experts)"]["ms_per_step"] > 0
+    assert all(o["gb_per_s"] is None and o["mb_per_step"] == 0 for o in r["ops"].values())
+    r["stream_read_gb_per_s"] = 10.0
+    table = region_table([r])
+    assert "3 sequences a step" in table and "floor" not in table
+    assert not eng.has_unfinished()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_regions_routing_is_layers_moe_route_bit_for_bit(dtype):
     """csrc/decode_layers.cpp's routing (its own top-k where torch.topk's answer is unique, at::topk where a row

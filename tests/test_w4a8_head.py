@@ -73,11 +73,15 @@ def test_the_cpu_kernel_gives_the_references_bits_alone_and_batched(n, k, groups
         pytest.skip("no compiled CPU set here")
     codes, scales = _weight(n, k, groups, n + k)
     prepared, ref = cpu.w4a8_prepared(codes, scales), REFERENCE.w4a8_prepared(codes, scales)
-    x = _rows(7, k, dtype, k)
+    x = _rows(19, k, dtype, k)
     want = REFERENCE.w4a8(x, ref)
     got = cpu.w4a8(x, prepared)
     assert got.dtype == dtype and torch.equal(got, want)
-    for i in range(7):   # every batch size's tiles (4, 3, 2, 1 rows) and the batch-1 tile give each row its bits
+    # every batch size's tiles (AVX-512 VNNI: 16, 8 and 7 .. 1 rows; otherwise 4 .. 1) and the batch-1 tile give
+    # each row its bits
+    for m in (2, 3, 5, 7, 8, 9, 12, 16):
+        assert torch.equal(cpu.w4a8(x[19 - m:], prepared), want[19 - m:])
+    for i in range(19):
         assert torch.equal(cpu.w4a8(x[i:i + 1], prepared), want[i:i + 1])
     assert torch.equal(cpu.w4a8(x[:5].reshape(5, 1, k), prepared), want[:5].reshape(5, 1, n))   # any leading shape
 
@@ -114,7 +118,7 @@ def test_narrower_builds_give_the_native_builds_bits(tmp_path, isa):
     cpu = get_kernels("cpu")
     codes, scales = _weight(200, 1024, 8, 3)
     prepared = cpu.w4a8_prepared(codes, scales)
-    x = _rows(6, 1024, torch.bfloat16, 4)
+    x = _rows(21, 1024, torch.bfloat16, 4)   # the AVX-512 VNNI build's 16- and 5-row tiles
     want = [cpu.w4a8(x, prepared), cpu.w4a8(x[:1], prepared)]
     lib = f"qwen3_w4a8_{isa}"
     out = tmp_path / lib
