@@ -78,13 +78,7 @@ void panel_scalar(const W8Args& a, int64_t M, int64_t p, T* y, int64_t N) {
 // ms at batch 16.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QK_W4A8_VNNI 1
-// In asm: GCC 12 allocates _mm256_dpbusd_epi32's accumulator badly in the many-accumulator tiles (a register copy
-// per instruction and four accumulators stored to the stack every octet: the batch-16 head ran at ~half the
-// instruction's throughput); "+v" keeps each accumulator in its own register, the instruction the intrinsic's.
-inline __m256i qk_dpbusd(__m256i acc, __m256i u8, __m256i s8) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
-  return acc;
-}
+inline __m256i qk_dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
 #elif defined(__AVXVNNI__)
 #define QK_W4A8_VNNI 1
 inline __m256i qk_dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
@@ -92,10 +86,12 @@ inline __m256i qk_dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dp
 #define QK_W4A8_VNNI 0
 #endif
 
-#if QK_W4A8_VNNI && defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if QK_W4A8_VNNI && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define QK_W4A8_ZMM 1
 // acc += the four u8 x s8 products of each dword, the s8 dword broadcast from memory ({1to16}: no broadcast
-// instruction, no register). In asm for the reason above.
+// instruction, no register). In asm: GCC 12 compiled the _mm256_dpbusd_epi32 tile below with a register copy per
+// accumulator update and four accumulators stored to the stack every octet; "+v" keeps each accumulator in its
+// register, and the instruction is the intrinsic's.
 inline __m512i dpbusd_bcst(__m512i acc, __m512i u8, const int32_t* s8) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u8), "m"(*s8));
   return acc;
