@@ -106,9 +106,9 @@ def main() -> None:
         # this file as the worker, whichever checkout it measures (the other may not have it): backend_lib and
         # bench.step_profile / bench.workers come from that checkout's PYTHONPATH
         sides[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--a", "-", "--worker",
-                                        "--checkpoint", args.checkpoint,
-                                        "--lm-head-quant", args.lm_head_quant], cwd=root, env=env, stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True, bufsize=1)
+                                        "--checkpoint", args.checkpoint, "--lm-head-quant", args.lm_head_quant],
+                                       cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       bufsize=1)
 
     def read(name):
         while True:

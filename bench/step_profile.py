@@ -399,7 +399,8 @@ def region_round(eng, threads: int, context: int, steps: int, seed: int, batch: 
     if batch > 1:   # the byte counts above are one sequence's (a batch shares the weights, the MoE's touched experts
         for o in ops.values():   # vary): time per phase only
             o.update(mb_per_step=0, gb_per_s=None, kv=False)
-    return {"threads": threads, "batch": batch, "step_ms": step_ms, "region_ms": region_ms, "ops": ops, "python_and_rest_ms": rest,
+    return {"threads": threads, "batch": batch, "step_ms": step_ms, "region_ms": region_ms, "ops": ops,
+            "python_and_rest_ms": rest,
             "mb_per_token": sum(o["mb_per_step"] for o in ops.values()),
             "kv_mb_per_token": sum(o["mb_per_step"] for o in ops.values() if o.get("kv")), "phase_ms": phase_ms,
             "steps_in_region": len(profs)}
@@ -486,8 +487,8 @@ def main() -> None:
     if args.batch > 1 and not args.region:
         ap.error("--batch: with --region")
     eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="256MiB" if args.batch == 1 else "1GiB",
-                                 max_model_len=1100, max_num_seqs=args.batch, enable_prefix_caching=False, lm_head_quant=args.lm_head_quant,
-                                 greedy_head=args.greedy_head))
+                                 max_model_len=1100, max_num_seqs=args.batch, enable_prefix_caching=False,
+                                 lm_head_quant=args.lm_head_quant, greedy_head=args.greedy_head))
     if args.ab_steps:
         res = []
         for t in [int(t) for t in args.threads.split(",")]:

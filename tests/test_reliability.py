@@ -269,9 +269,9 @@ def _cancel_cycles(server) -> None:
     rises = sorted(b - a for a, b in zip(samples, samples[1:]))
     per_interval = rises[len(rises) // 2]
     seen = f"{base:.0f} -> {[round(v) for v in samples]} MiB"
-    assert per_interval * len(rises) < 16, f"memory grows at every sample after the {CANCEL_WARMUP}-cycle warm-up: {seen}"
+    assert per_interval * len(rises) < 16, (
+        f"memory grows at every sample after the {CANCEL_WARMUP}-cycle warm-up: {seen}")
     assert min(last_third) - base < 64, f"memory grew after the {CANCEL_WARMUP}-cycle warm-up: {seen}"
-
 
 
 def test_closed_http_generate_stream_aborts_the_request(server):

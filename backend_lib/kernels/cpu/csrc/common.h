@@ -67,6 +67,14 @@ inline void store16x(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16x(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), f32x16_to_bf16(v));
 }
+// The first n (<= 16) lanes, rounded as store16x does.
+template <typename T>
+inline void store16_upto(T* dst, __m512 v, int64_t n) {
+  if (n >= 16) return store16x(dst, v);
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int64_t l = 0; l < n; ++l) dst[l] = from_f<T>(tmp[l]);
+}
 // Rounds fp32 lanes to T's precision and back (identity for float).
 inline __m512 round_to(__m512 v, const float*) { return v; }
 inline __m512 round_to(__m512 v, const c10::BFloat16*) {

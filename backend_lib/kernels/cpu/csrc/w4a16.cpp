@@ -68,14 +68,6 @@ void panel_scalar(const W4Args& a, int64_t M, int64_t p, T* y, int64_t N) {
 }
 
 #if defined(__AVX512F__)
-template <typename T>
-inline void store16_upto(T* dst, __m512 v, int64_t n) {   // the first n (<= 16) lanes
-  if (n >= 16) return store16x(dst, v);
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, v);
-  for (int64_t l = 0; l < n; ++l) dst[l] = from_f<T>(tmp[l]);   // the same rounding as store16x
-}
-
 // The panels' 256-byte octet `o` (a tile's streams) into L1 ahead of use. The hardware prefetcher alone left the
 // batch-1 loop waiting on DRAM: one 4096 x 4096 weight streamed at ~21 GB/s without, ~39 GB/s with 16 octets
 // (4 KiB per stream) ahead, one thread here. A prefetch past the end of the weight is harmless (no fault).

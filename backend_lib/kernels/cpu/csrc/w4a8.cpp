@@ -136,12 +136,8 @@ void tile_zmm(const W8Args& a, int64_t m0, int64_t p, int c, T* y, int64_t N) {
   }
   const int64_t n = p * kPanel + c * 16;
   if (n >= N) return;
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, _mm512_mul_ps(_mm512_load_ps(facc[r]), _mm512_set1_ps(a.sx[m0 + r])));
-    T* dst = y + (m0 + r) * N + n;
-    for (int64_t l = 0; l < 16 && n + l < N; ++l) dst[l] = from_f<T>(out[l]);
-  }
+  for (int r = 0; r < R; ++r)
+    store16_upto(y + (m0 + r) * N + n, _mm512_mul_ps(_mm512_load_ps(facc[r]), _mm512_set1_ps(a.sx[m0 + r])), N - n);
 }
 #else
 #define QK_W4A8_ZMM 0
