@@ -113,6 +113,27 @@ def test_decode_steps_run_in_one_region_with_the_same_bits_at_any_thread_count(a
     assert prof.shape[0] == threads
 
 
+def test_one_pack_a_kv_cache_whose_plan_follows_the_thread_count(a8w8_ckpt):
+    """The op's tensors go over as one LayerPack, built at the first step of a KV cache and kept; the region's plan
+    of the layers kept in it (pointers, GEMV chunks per thread) is rebuilt when the thread count changes: the same
+    engine on three, one and two threads, every step with the Python loop's bits."""
+    eng = make_engine(a8w8_ckpt, dtype="bfloat16", max_num_seqs=16, kv_cache_memory="4MiB", max_model_len=256)
+    loop = eng.runner.model.layer_loop
+    twin, packs, old = Twin(eng), [], torch.get_num_threads()
+    try:
+        for threads in (3, 1, 2):
+            torch.set_num_threads(threads)
+            torch.ops.qwen3_cpu.decode_layers_profile(True)
+            steps = twin.region_steps
+            eng.generate(_prompts(eng, 2), _greedy(eng))
+            prof = torch.ops.qwen3_cpu.decode_layers_profile(False)
+            assert prof.shape[0] == threads and prof[0, -1].item() == twin.region_steps - steps >= 11
+            packs.append(loop.pack)
+    finally:
+        torch.set_num_threads(old)
+    assert packs[0][0] is eng.runner.kv_cache and all(p[1] is packs[0][1] for p in packs)
+
+
 def _assert_loop_ids_equal_the_python_loop(eng, prompts, steps: int, solo: int) -> None:
     """Greedy ids of `prompts` batched with the layer loop (checked to run every step) equal the Python loop's
     (checked not to run it), and the first `solo` prompts alone give their batched ids."""

@@ -13,7 +13,9 @@ differ, so that they stay a ConcatLinear of several W4A16Linears, experts the na
 linears wrapped with per-row features, expert parallelism) takes the Python loop. With `aux` the op also writes EAGLE-3's aux hidden states ([spec],
 Qwen3ForCausalLM.forward_aux), in the region and op by op alike.
 
-Per layer the op's list holds the four norms, each linear's first three prepared tensors (A8W8: packed, scale,
+The op takes them as one `torch.classes.qwen3_cpu.LayerPack` (the layers' list, the KV cache's K and V tensors, the
+final norm), built once per KV cache: a list of ~650 tensors converted by torch.ops at every step cost ~0.45 ms of it.
+Per layer the pack's list holds the four norms, each linear's first three prepared tensors (A8W8: packed, scale,
 colsum; W4A16: packed, scales, zeros; float: packed and two empty tensors), then each linear's column permutation
 (a W4A16Linear's act-order perm, int64 [K]; else empty), and last a float64 [4, 2]: per linear
 (qkv, o, gate_up, down) its output width and its W4A16 lut_zero (-1 for A8W8 and float, or no batch-1 table
@@ -40,7 +42,7 @@ class LayerLoop:
         self.model = model
         self.layers: list[torch.Tensor] | None = None
         self.linears_ok: bool | None = None
-        self.caches: tuple[object, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.pack: tuple[object, object] | None = None   # (the KV cache, its torch.classes.qwen3_cpu.LayerPack)
         attn = model.layers[0].self_attn if len(model.layers) else None
         self.heads = (attn.num_heads, attn.num_kv_heads, attn.eps, attn.scale) if attn is not None else None
 
@@ -112,12 +114,11 @@ class LayerLoop:
                  aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
         """aux ([spec] EAGLE-3, with aux_layers): [T, len(aux_layers) * hidden], written by the op with the residual
         stream entering each of those layers, as Qwen3ForCausalLM.forward_aux's Python loop captures it."""
-        if self.caches is None or self.caches[0] is not kv_cache:
-            self.caches = (kv_cache, list(kv_cache.k), list(kv_cache.v))
-        _, k, v = self.caches
-        h, kvh, eps, scale = self.heads
         m = self.model
-        return torch.ops.qwen3_cpu.decode_layers(x, self._layer_tensors(), k, v, positions, m.cos_sin,
-                                                 meta.slot_mapping, meta.block_tables, meta.query_start_loc,
-                                                 meta.seq_lens, m.norm.detach(), h, kvh, eps, scale, aux,
-                                                 list(aux_layers))
+        if self.pack is None or self.pack[0] is not kv_cache:   # the op's tensors, handed over as one object a step
+            self.pack = (kv_cache, torch.classes.qwen3_cpu.LayerPack(self._layer_tensors(), list(kv_cache.k),
+                                                                      list(kv_cache.v), m.norm.detach()))
+        h, kvh, eps, scale = self.heads
+        return torch.ops.qwen3_cpu.decode_layers(x, self.pack[1], positions, m.cos_sin, meta.slot_mapping,
+                                                 meta.block_tables, meta.query_start_loc, meta.seq_lens, h, kvh, eps,
+                                                 scale, aux, list(aux_layers))

@@ -767,14 +767,15 @@ const T* ptr_of(const at::Tensor& t, int64_t numel, at::ScalarType dt, bool& ok)
   return ok ? static_cast<const T*>(t.data_ptr()) : nullptr;
 }
 
-// The one-region step, or an undefined tensor where it does not apply (then the op path runs).
-at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, at::TensorList k_caches,
-                                at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin,
-                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                const at::Tensor& final_norm, int64_t H, int64_t KVH, double eps, double scale,
+// The one-region step over the pack's layers, or an undefined tensor where it does not apply (then the op path runs).
+at::Tensor decode_layers_region(const at::Tensor& x_in, LayerPack& pack, const at::Tensor& positions,
+                                const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
+                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                const at::Tensor& seq_lens, int64_t H, int64_t KVH, double eps, double scale,
                                 const AuxOut& aux) {
   const auto t_entry = std::chrono::steady_clock::now();
+  const at::TensorList layers = pack.layers, k_caches = pack.k_caches, v_caches = pack.v_caches;
+  const at::Tensor& final_norm = pack.final_norm;
   const int64_t L = static_cast<int64_t>(k_caches.size()), Tn = x_in.size(0), hid = x_in.size(1);
   const auto dt = x_in.scalar_type();
   if (L == 0 || Tn == 0 || Tn > kMaxFusedRows || (dt != at::kFloat && dt != at::kBFloat16) || !x_in.is_contiguous() ||
@@ -806,21 +807,22 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < Tn; ++t)
     if (pos[t] < 0 || pos[t] >= cos_sin.size(0)) return {};
-  auto run = [&](auto tag) -> at::Tensor {
+  // the layers' part of the step (the same for every step of a pack: kept there, keyed by what it depends on)
+  const std::array<double, 8> key{static_cast<double>(dt), static_cast<double>(nt), static_cast<double>(hid),
+                                  static_cast<double>(H), static_cast<double>(KVH), static_cast<double>(D), eps,
+                                  static_cast<double>(L)};
+  auto layers_of = [&](auto tag, Step<decltype(tag)>& s) -> bool {
     using T = decltype(tag);
-    Step<T> s;
-    s.t_entry = t_entry;
-    s.L = L, s.T_ = Tn, s.B = B, s.hid = hid, s.H = H, s.KVH = KVH, s.D = D, s.eps = static_cast<float>(eps);
-    s.x_in = static_cast<const T*>(x_in.data_ptr());
+    s.L = L, s.hid = hid, s.H = H, s.KVH = KVH, s.D = D, s.eps = static_cast<float>(eps);
     s.Wqkv = (H + 2 * KVH) * D;
     s.I = 0;   // the dense layers' intermediate width (none: all layers sparse)
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* w = layers.data() + l * kPerLayer;
       if (is_sparse(w)) continue;
       const double* dims = region_lin_dims(w);
-      if (dims == nullptr) return {};
+      if (dims == nullptr) return false;
       const double n_gu = dims[2 * kLinGateUp];
-      if (!(n_gu > 0) || n_gu > 1e12 || std::fmod(n_gu, 2.0) != 0) return {};
+      if (!(n_gu > 0) || n_gu > 1e12 || std::fmod(n_gu, 2.0) != 0) return false;
       s.I = static_cast<int64_t>(n_gu) / 2;
       break;
     }
@@ -855,7 +857,26 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, at::TensorList layers, a
       s.vc.push_back(ok ? static_cast<T*>(vc.data_ptr()) : nullptr);
     }
     s.final_norm = ptr_of<T>(final_norm, hid, dt, ok);
-    if (!ok) return {};
+    return ok;
+  };
+  auto run = [&](auto tag) -> at::Tensor {
+    using T = decltype(tag);
+    Step<T> s;
+    std::shared_ptr<const void> plan;
+    {
+      std::lock_guard<std::mutex> lock(pack.mu);
+      if (pack.plan && pack.plan_key == key) plan = pack.plan;
+    }
+    if (plan) {
+      s = *static_cast<const Step<T>*>(plan.get());
+    } else {
+      if (!layers_of(tag, s)) return {};
+      std::lock_guard<std::mutex> lock(pack.mu);
+      pack.plan = std::make_shared<const Step<T>>(s), pack.plan_key = key;
+    }
+    s.t_entry = t_entry;
+    s.T_ = Tn, s.B = B;
+    s.x_in = static_cast<const T*>(x_in.data_ptr());
     s.pos = pos;
     s.slots = slot_mapping.data_ptr<int64_t>();
     s.cos_sin = cos_sin.data_ptr<float>();
@@ -901,16 +922,17 @@ at::Tensor decode_layers_profile(bool enable) {
 }
 
 // x [T, hidden] (the step's embedded tokens) -> the final-normed hidden states [T, hidden], as
-// Qwen3ForCausalLM.forward computes them; writes the step's K/V rows into k_caches / v_caches (one per layer).
+// Qwen3ForCausalLM.forward computes them over the pack's layers; writes the step's K/V rows into the pack's K / V
+// caches (one per layer). The region's plan of the layers is built at the first call and kept in the pack.
 // [spec] aux (with aux_layers, n ids in [0, L]): written with EAGLE-3's aux hidden states, [T, n * hidden] (AuxOut).
-at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList layers, at::TensorList k_caches,
-                         at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& cos_sin,
-                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& final_norm,
+at::Tensor decode_layers(const at::Tensor& x_in, const c10::intrusive_ptr<LayerPack>& pack,
+                         const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                          int64_t H, int64_t KVH, double eps, double scale, const c10::optional<at::Tensor>& aux,
                          at::IntArrayRef aux_layers) {
-  const int64_t L = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * kPerLayer && static_cast<int64_t>(v_caches.size()) == L,
+  LayerPack& p = *pack;
+  const int64_t L = static_cast<int64_t>(p.k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(p.layers.size()) == L * kPerLayer && static_cast<int64_t>(p.v_caches.size()) == L,
               "decode_layers: ", kPerLayer, " tensors and one K and V cache per layer expected");
   TORCH_CHECK(x_in.dim() == 2, "decode_layers: x must be [T, hidden]");
   AuxOut ax;
@@ -925,11 +947,11 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList layers, at::Tens
       TORCH_CHECK(i >= 0 && i <= L, "decode_layers: aux layer ", i, " outside [0, ", L, "]");
     ax = {a, aux_layers.data(), n};
   }
-  at::Tensor out = decode_layers_region(x_in, layers, k_caches, v_caches, positions, cos_sin, slot_mapping,
-                                        block_tables, query_start_loc, seq_lens, final_norm, H, KVH, eps, scale, ax);
+  at::Tensor out = decode_layers_region(x_in, p, positions, cos_sin, slot_mapping, block_tables, query_start_loc,
+                                        seq_lens, H, KVH, eps, scale, ax);
   if (out.defined()) return out;
-  return decode_layers_ops(x_in, layers, k_caches, v_caches, positions, cos_sin, slot_mapping, block_tables,
-                           query_start_loc, seq_lens, final_norm, H, KVH, eps, scale, ax);
+  return decode_layers_ops(x_in, p.layers, p.k_caches, p.v_caches, positions, cos_sin, slot_mapping, block_tables,
+                           query_start_loc, seq_lens, p.final_norm, H, KVH, eps, scale, ax);
 }
 
 }  // namespace qk

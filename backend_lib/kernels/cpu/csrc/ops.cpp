@@ -31,10 +31,11 @@ TORCH_LIBRARY(qwen3_cpu, m) {
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor rotation, Tensor centroids, "
         "float scale) -> Tensor",
         &qk::tq_paged_attention);
-  m.def("decode_layers(Tensor x, Tensor[] layers, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor positions, "
-        "Tensor cos_sin, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor final_norm, int H, int KVH, float eps, float scale, Tensor(c!)? aux=None, int[] aux_layers=[]) "
-        "-> Tensor",
+  m.class_<qk::LayerPack>("LayerPack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor>());
+  m.def("decode_layers(Tensor x, __torch__.torch.classes.qwen3_cpu.LayerPack pack, Tensor positions, "
+        "Tensor cos_sin, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int H, "
+        "int KVH, float eps, float scale, Tensor(c!)? aux=None, int[] aux_layers=[]) -> Tensor",
         &qk::decode_layers);
   m.def("decode_layers_profile(bool enable) -> Tensor", &qk::decode_layers_profile);
   m.def("stream_zeros(int[] size, ScalarType dtype) -> Tensor", &qk::stream_zeros);
