@@ -265,7 +265,7 @@ REGION_ROWS = (
     ("row ops: add + RMSNorm, activation quantization, SwiGLU, final norm", ("normIn", "quantO", "normPost", "silu", "final"), None),
     # Qwen3-MoE's sparse layers (batch 1: the bytes of the top-k experts' weights per layer)
     ("MoE router GEMV", ("router",), "router"),
-    ("MoE routing: softmax, top-k (ATen, one thread)", ("route",), "sparse"),
+    ("MoE routing: softmax, top-k, the plan (one thread; csrc/route.cpp)", ("route",), "sparse"),
     ("MoE experts gate_up (the routed experts)", ("expGateUp",), "experts_gate_up"),
     ("MoE experts down (the routed experts)", ("expDown",), "experts_down"),
     ("MoE row ops: gather, SwiGLU, combine", ("gather", "expSilu", "combine"), "sparse"),

@@ -68,6 +68,14 @@ prep = cpu.w4a16_prepare(w4["codes"], w4["scales"], w4["zeros"], w4["perm"])
 sym = cpu.w4a16_prepare(w4["codes"], w4["scales"].bfloat16().float(), torch.full_like(w4["zeros"], 8.0), w4["perm"])
 out["w4a16_equal"] = [torch.equal(cpu.w4a16_linear(w4["x"], prep), w4["want"])] + [
     torch.equal(cpu.w4a16_linear(w4["x"][i:i + 1], sym), w4["want_sym"][i]) for i in range(3)]
+# the MoE routing (csrc/route.cpp): its at::vec softmax built for AVX2, run where ATen runs AVX2 (the parent sets
+# ATEN_CPU_CAPABILITY=avx2), against layers/moe.py's route()
+from backend_lib.layers.moe import route
+g = torch.Generator().manual_seed(5)
+rx = torch.randn(400, 128, generator=g) * torch.tensor([0.01, 1.0, 4.0, 40.0]).repeat(100)[:, None]
+out["route_path"] = torch.ops.qwen3_cpu.moe_route_path(8, True)
+out["route_equal"] = all(torch.equal(a, b) for dt in (torch.float32, torch.bfloat16) for k in (2, 8)
+                         for a, b in zip(torch.ops.qwen3_cpu.moe_route(rx.to(dt), k, True), route(rx.to(dt), k, True)))
 eng = make_engine(ckpt, dtype="bfloat16", kernels="cpu", max_num_seqs=4, kv_cache_memory="4MiB", max_model_len=256)
 prompts = [eng.tokenizer.encode("the quick brown fox " * (1 + 3 * i))[: 5 + 17 * i] for i in range(3)]
 params = eng.make_params({"temperature": 0, "max_tokens": 12, "ignore_eos": True})
@@ -137,7 +145,7 @@ def test_the_avx2_builds_load_are_exact_and_batch_invariant(isa, reads_colsum, n
     # build's code under another cache key: the child then loads the native build the suite has compiled already
     # and proves the same, instead of compiling the same code again (~50 s on 2 cores).
     same_as_native = not {MNO_FLAG[f] for f in build.ISA_FLAGS[isa]} & _host_flags()
-    env = {**os.environ, "QWEN3_CPU_ISA": "native" if same_as_native else isa}
+    env = {**os.environ, "QWEN3_CPU_ISA": "native" if same_as_native else isa, "ATEN_CPU_CAPABILITY": "avx2"}
     proc = subprocess.run([sys.executable, "-c", CHILD, str(a8w8_ckpt), str(tmp_path / "w4a16.pt")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -146,5 +154,6 @@ def test_the_avx2_builds_load_are_exact_and_batch_invariant(isa, reads_colsum, n
     assert res["reads_colsum"] is reads_colsum, f"{isa}: the A8W8 code of another path was built"
     assert res["a8w8_mismatches"] == []
     assert res["w4a16_equal"] == [True] * 4, f"{isa}: W4A16 bits differ from the native build's"
+    assert res["route_path"] == "AVX2" and res["route_equal"], f"{isa}: the MoE routing's AVX2 path"
     assert all(len(r) == 12 for r in res["batched"])
     assert res["alone"] == res["batched"] == res["again"] == res["python_loop"]

@@ -287,7 +287,7 @@ def test_the_region_profile_accounts_for_a_moe_decode_step(moe_a8w8_ckpt):
     for label in ("GEMV qkv_proj", "MoE router GEMV", "MoE experts gate_up (the routed experts)",
                   "MoE experts down (the routed experts)"):
         assert r["ops"][label]["ms_per_step"] > 0 and r["ops"][label]["gb_per_s"] > 0
-    assert r["ops"]["MoE routing: softmax, top-k (ATen, one thread)"]["ms_per_step"] > 0
+    assert r["ops"]["MoE routing: softmax, top-k, the plan (one thread; csrc/route.cpp)"]["ms_per_step"] > 0
     assert "GEMV gate_up_proj" not in r["ops"]   # no dense MLP layer
     assert 0 < r["region_ms"] < r["step_ms"]
     r["stream_read_gb_per_s"] = 10.0
@@ -311,21 +311,33 @@ def test_the_region_profile_of_a_batch_times_its_phases_without_a_floor(moe_a8w8
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_regions_routing_is_layers_moe_route_bit_for_bit(dtype):
-    """csrc/decode_layers.cpp's routing (its own top-k where torch.topk's answer is unique, at::topk where a row
-    ties or holds a NaN; the softmax and the renormalization torch's ops) against layers/moe.py's route(): the
-    same ids and weights, random rows, equal router rows (ties), all-equal rows, NaN rows, every k."""
+    """csrc/route.cpp's routing (route_rows: ATen's softmax written with its at::vec functions, ATen's CPU top-k
+    written out, the sum in ATen's order, no ATen op, where it applies; else at::softmax and ATen's sum) against
+    layers/moe.py's route(): the same ids and weights, random rows, wide and narrow logits, equal router rows (ties),
+    all-equal rows, rows of integers (ties everywhere), NaN rows, every k, both of topk's algorithms (k * 64 <= E:
+    partial_sort). A native build runs route_rows (the capability ATen runs here)
+    for k in 1..4 and 8 (the renormalizing sums it writes in ATen's order), and without renormalization for any k."""
+    from backend_lib.kernels.cpu.build import cpu_isa
     from backend_lib.layers.moe import route
 
+    cap = torch.backends.cpu.get_cpu_capability()
+    for k in (1, 2, 3, 4, 5, 6, 8, 16):
+        for norm in (True, False):
+            path = torch.ops.qwen3_cpu.moe_route_path(k, norm)
+            assert path in ("", cap)
+            if cpu_isa() == "native" and cap in ("AVX512", "AVX2"):
+                assert (path == cap) == (k in (1, 2, 3, 4, 8) or not norm)
     g = torch.Generator().manual_seed(0)
-    for e, ks in ((8, (1, 2, 8)), (70, (3, 6)), (128, (1, 6, 8, 16))):
-        logits = torch.randn(2000, e, generator=g) * 4
+    for e, ks in ((8, (1, 2, 8)), (70, (3, 4, 6)), (128, (1, 2, 6, 8, 16)), (512, (1, 8))):
+        logits = torch.randn(2000, e, generator=g) * torch.tensor([0.01, 1.0, 4.0, 40.0]).repeat(500)[:, None]
         tied = logits[:40].clone()
         tied[:10, 1] = tied[:10, 0]                   # two experts tie
         tied[10:20] = 0.25                            # every expert ties
         tied[20:30, 3] = tied[20:30].max(1).values    # the top one ties
         nan = logits[:4].clone()
         nan[:2, 2] = float("nan")
-        for x in (logits, tied, torch.cat([logits[:100], tied[15:16]]), nan):   # a step's rows are routed together
+        many = logits[:300].round()                  # ties everywhere (as bf16 router logits have them)
+        for x in (logits, tied, torch.cat([logits[:100], tied[15:16]]), nan, many):   # a step's rows routed together
             x = x.to(dtype)
             for k in ks:
                 for norm in (True, False):

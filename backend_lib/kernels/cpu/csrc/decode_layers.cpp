@@ -27,9 +27,10 @@
 //
 // A Qwen3-MoE sparse layer (float, A8W8 or W4A16 experts, act-order W4A16 ones with a perm per expert weight:
 // moe_parts.h gathers each routed pair's rows by its expert's perms) stays in the region too: the router GEMV (float_linear's
-// panels, one per work item), then ONE thread routes the step's logits with the very ATen ops of layers/moe.py's
-// route() (softmax in fp32, topk, renormalization, the cast: torch's own bits, ties included; inside the region their
-// parallel_for runs serially) and plans the pairs per expert, while the others wait at a barrier; then the
+// panels, one per work item), then ONE thread routes the step's logits as layers/moe.py's route() does (route.cpp:
+// softmax in fp32, topk, renormalization, the cast, torch's own bits, ties included; without ATen ops where its
+// route_rows applies, else through them, whose parallel_for runs serially inside the region) and plans the pairs per
+// expert, while the others wait at a barrier; then the
 // experts' phases of moe_parts.h (the native MoE op's code: gate_up items, SwiGLU, down items, the combine into
 // the layer's output rows), a barrier after each; the token rows prepared as the MoE op prepares them for the
 // experts' kind (moe::prepare: quantized, widened to fp32, or float experts' rows in moe_experts' activation
@@ -49,6 +50,7 @@
 #include "moe_parts.h"
 #include "ops.h"
 #include "parts.h"
+#include "route.h"
 
 namespace qk {
 namespace {
@@ -81,58 +83,6 @@ enum SparseTensor : int64_t { kRouterPacked = kGateUpPacked, kMoeTable = kGateUp
 constexpr int64_t kMoeDimsLen = 8;
 
 bool is_sparse(const at::Tensor* w) { return w[kMoeDims].scalar_type() == at::kLong; }
-
-// The top-k of fp32 rows p [Tn, E] in descending order (ids, values) where torch.topk's answer is the only one:
-// false if a row holds a NaN or equal values of which one is among its k (then torch's choice and order among them
-// are its algorithm's, and the caller runs at::topk itself).
-bool unique_topk(const float* p, int64_t Tn, int64_t E, int64_t k, int64_t* ids, float* vals) {
-  if (k < 1 || k > E) return false;
-  for (int64_t t = 0; t < Tn; ++t) {
-    const float* row = p + t * E;
-    int64_t* id = ids + t * k;
-    float* v = vals + t * k;
-    int64_t n = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      const float x = row[e];
-      if (std::isnan(x)) return false;
-      if (n == k && !(x > v[k - 1])) continue;
-      int64_t i = n < k ? n++ : k - 1;
-      while (i > 0 && v[i - 1] < x) {
-        v[i] = v[i - 1], id[i] = id[i - 1];
-        --i;
-      }
-      v[i] = x, id[i] = e;
-    }
-    for (int64_t j = 1; j < k; ++j)
-      if (!(v[j - 1] > v[j])) return false;
-    int64_t at_least = 0;   // values >= the k-th: exactly the k chosen
-    for (int64_t e = 0; e < E; ++e) at_least += row[e] >= v[k - 1];
-    if (at_least != k) return false;
-  }
-  return true;
-}
-
-// The router's top-k as layers/moe.py's route() computes it: (ids int64 [T, k], weights [T, k] in the logits'
-// dtype). The softmax in fp32 and the renormalization's sum and division are the very ATen ops route() calls;
-// the top-k is torch.topk's where its answer is unique (unique_topk; else at::topk itself), the cast to bf16
-// round-to-nearest-even as Tensor.to.
-std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob) {
-  const at::Tensor probs = at::softmax(logits, -1, at::kFloat).contiguous();
-  const int64_t Tn = probs.size(0), E = probs.size(1);
-  at::Tensor ids = at::empty({Tn, top_k}, probs.options().dtype(at::kLong));
-  at::Tensor weights = at::empty({Tn, top_k}, probs.options());
-  if (!unique_topk(probs.data_ptr<float>(), Tn, E, top_k, ids.data_ptr<int64_t>(), weights.data_ptr<float>()))
-    std::tie(weights, ids) = at::topk(probs, top_k, -1);
-  const int64_t last = -1;
-  if (norm_topk_prob) weights = weights / weights.sum(at::IntArrayRef(&last, 1), true);
-  if (logits.scalar_type() != at::kBFloat16) return {ids, weights.to(logits.scalar_type())};
-  const at::Tensor w = weights.contiguous();
-  at::Tensor out = at::empty({Tn, top_k}, probs.options().dtype(at::kBFloat16));
-  const float* src = w.data_ptr<float>();
-  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < Tn * top_k; ++i) dst[i] = c10::BFloat16(src[i]);
-  return {ids, out};
-}
 
 // Qwen3SparseMoe.forward with the CPU set's moe slot (kernels/cpu/moe.py): the router, route(), moe_experts.
 at::Tensor sparse_mlp_ops(const at::Tensor& h, const at::Tensor* w) {
@@ -430,17 +380,23 @@ void router_panel(const Sparse& sp, const T* hn, const float* xf, int64_t M, int
   }
 }
 
-// The routing of a step's logits [Tn, E] (route(), the ATen ops of the Python layer) and its plan; one thread
-// runs it inside the region (the ops' own parallel_for runs serially there). False on any failure (the caller
-// raises after the region).
+// The routing of a step's logits [Tn, E] (route.h: route_rows, no ATen op, where it applies; else route(), the
+// ATen ops of the Python layer) and its plan; one thread runs it inside the region (the ops' own parallel_for runs
+// serially there). False on any failure (the caller raises after the region).
 template <typename T>
 bool route_plan(const Sparse& sp, T* logits, int64_t Tn, char* plan_mem, moe::Plan& plan) noexcept {
   try {
+    static thread_local std::vector<int64_t> ids_buf;
+    static thread_local std::vector<T> w_buf;
+    static thread_local std::vector<float> scratch;
+    ids_buf.resize(Tn * sp.k), w_buf.resize(Tn * sp.k), scratch.resize(sp.E + sp.k);
+    plan = moe::plan_at(plan_mem, Tn, sp.k, sp.E, sizeof(T));
+    if (route_rows<T>(logits, Tn, sp.E, sp.k, sp.norm, ids_buf.data(), w_buf.data(), scratch.data()))
+      return moe::make_plan<T>(ids_buf.data(), w_buf.data(), plan) < 0;
     const at::ScalarType dt = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
     at::Tensor ids, weights;
     std::tie(ids, weights) = route(at::from_blob(logits, {Tn, sp.E}, at::TensorOptions().dtype(dt)), sp.k, sp.norm);
     ids = ids.contiguous(), weights = weights.contiguous();
-    plan = moe::plan_at(plan_mem, Tn, sp.k, sp.E, sizeof(T));
     return moe::make_plan<T>(ids.data_ptr<int64_t>(), weights.data_ptr<T>(), plan) < 0;
   } catch (...) {
     return false;
@@ -894,15 +850,6 @@ at::Tensor decode_layers_region(const at::Tensor& x_in, LayerPack& pack, const a
 }
 
 }  // namespace
-
-// The sparse layers' routing (route above) on router logits [T, E]: what the region and the op path compute, for
-// the tests against layers/moe.py's route().
-std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob) {
-  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
-              "moe_route: logits must be float32 or bfloat16 [T, E]");
-  TORCH_CHECK(top_k >= 1 && top_k <= logits.size(1), "moe_route: top_k must be in [1, ", logits.size(1), "]");
-  return route(logits, top_k, norm_topk_prob);
-}
 
 // Seconds per thread and phase of the one-region steps since the last call ([threads, phases + 1], the last
 // column the number of steps in row 0), then resets; `enable` switches the accounting on or off from now on.

@@ -40,6 +40,7 @@ TORCH_LIBRARY(qwen3_cpu, m) {
   m.def("decode_layers_profile(bool enable) -> Tensor", &qk::decode_layers_profile);
   m.def("stream_zeros(int[] size, ScalarType dtype) -> Tensor", &qk::stream_zeros);
   m.def("moe_route(Tensor logits, int top_k, bool norm_topk_prob) -> (Tensor, Tensor)", &qk::moe_route);
+  m.def("moe_route_path(int top_k, bool norm_topk_prob) -> str", &qk::moe_route_path);
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor table, Tensor lut, int[] dims) -> Tensor",
         &qk::moe_experts);
 }

@@ -74,6 +74,7 @@ at::Tensor decode_layers_profile(bool enable);
 // memory.cpp: a zeroed CPU tensor for a large buffer streamed every step (packed weights, KV pools), on huge pages
 at::Tensor stream_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob);
+std::string moe_route_path(int64_t top_k, bool norm_topk_prob);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                        const at::Tensor& table, const at::Tensor& lut, at::IntArrayRef dims);
 }  // namespace qk
