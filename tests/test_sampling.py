@@ -101,6 +101,45 @@ def test_plain_greedy_rows_take_the_first_maximum_in_either_form():
         assert [x.token_id for i, x in enumerate(out) if i != 1] == [fast[i].token_id for i in (0, 2, 3)]
 
 
+def test_the_cpu_sets_argmax_rows_is_plain_greedy_picks_in_one_read():
+    """The CPU set's argmax_rows slot (csrc/argmax.cpp) gives plain_greedy_picks' picks and non-finite rows on fp32
+    and on bf16 logits as the head writes them (ties to the first index, -0.0 and 0.0 equal, each non-finite kind
+    anywhere in a row), and a Sampler with it the tokens and errors of one without."""
+    from backend_lib.kernels import get_kernels
+    from backend_lib.sampling.sampler import plain_greedy_picks
+
+    cpu = get_kernels("cpu", "cpu")
+    if cpu is None or cpu.argmax_rows is None:
+        pytest.skip("no compiled CPU kernel set here")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 151936, generator=g)
+    x[1, 5] = x[1, 9] = 100.0                        # a tie: the first index wins
+    x[2] = float("-inf")
+    x[2, 7] = -1e30
+    x[3, :100] = 3e38
+    x[4, 11] = float("nan")
+    x[5, 3] = float("inf")
+    x[6] = -1.0
+    x[6, 40], x[6, 20] = 0.0, -0.0                   # equal maxima of either sign: the first
+    for dt in (torch.float32, torch.bfloat16):
+        y = x.to(dt)
+        ids, nonfinite = cpu.argmax_rows(y)
+        want, bad = plain_greedy_picks(y.float())
+        assert nonfinite == bad == [2, 4, 5]
+        assert [ids[b] for b in (0, 1, 3, 6)] == [want[b] for b in (0, 1, 3, 6)]
+        assert ids[1] == 5 and ids[6] == 20
+        for value in (float("nan"), float("inf"), float("-inf")):
+            for col in (0, 77_000, 151_935):
+                z = y[:1].clone()
+                z[0, col] = value
+                assert cpu.argmax_rows(z)[1] == [0], (dt, value, col)
+        seqs = [FakeSeq(P(temperature=0)) for _ in range(7)]
+        fast, plain = Sampler(cpu.argmax_rows)(y, seqs), Sampler()(y, seqs)
+        assert [getattr(o, "token_id", None) for o in fast] == [getattr(o, "token_id", None) for o in plain]
+        assert [getattr(o, "message", None) for o in fast] == [getattr(o, "message", None) for o in plain]
+        assert fast[4].message == "the model produced a non-finite logit (nan) for this request"
+
+
 def test_greedy_picks_and_nonfinite_rows_match_the_plain_torch_rules():
     from backend_lib.sampling.sampler import greedy_picks, nonfinite_rows, plain_greedy_picks
 

@@ -59,7 +59,7 @@ class ModelRunner:
                                               cfg.kv_cache_memory, cfg.page_size, max_model_len, cfg.max_num_seqs,
                                               nbytes=nbytes, seed=cfg.tq_seed)
         # one pipeline wherever the logits are (off the CPU without a host sync: ids and logprobs travel back)
-        self.sampler = Sampler()
+        self.sampler = Sampler(kernels.argmax_rows)
         self.lora_ctx = None
         if cfg.lora_enabled:   # LoRA: the fused linears wrapped (backend_lib/lora/layer.py)
             from ..lora.layer import LoraContext, attach

@@ -79,6 +79,10 @@ class Kernels:
     # call (screen_terms, the int8 product, greedy_screen, float_linear_rows, the first maximum), (all -1, -1) where
     # a row cannot be certified; None: ScreenedHead.greedy_picks composes those steps from the slots above
     greedy_head_picks: Callable | None = None
+    # (logits [B, V] fp32 / bf16 on the host) -> (ids, rows): lists of each row's first index of its maximum and of
+    # the rows holding a NaN or an infinity, in one read (a step of plain greedy rows); None: sampling/sampler.py's
+    # plain_greedy_picks (numpy passes over the fp32 logits)
+    argmax_rows: Callable | None = None
     # (codes uint8 [N, K] in 0..15, zero point 8, scales fp32 [N, G]) -> the int4 head in this set's form for
     # w4a8_linear (`lm_head_quant: int4a8`); None: kernels/reference/w4a8.py's (torch ops, any device)
     w4a8_prepare: Callable | None = None

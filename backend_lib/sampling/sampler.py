@@ -163,8 +163,11 @@ def _draw(vals: torch.Tensor, ids: torch.Tensor | None, top_p: torch.Tensor | No
 
 
 class Sampler:
-    def __init__(self):
+    def __init__(self, argmax_rows=None):
+        """argmax_rows: a kernel set's slot of that name (kernels/contract.py) for steps of plain greedy CPU rows;
+        None: plain_greedy_picks."""
         self._mask = torch.empty((0, 0), dtype=torch.int32)
+        self.argmax_rows = argmax_rows
 
     def _mask_buffer(self, n: int, vocab: int) -> torch.Tensor:
         """Grammar bitmask rows, one buffer reused from step to step (grown when a step needs more rows)."""
@@ -183,15 +186,19 @@ class Sampler:
         if sync_free is None:
             sync_free = logits.device.type != "cpu"
         if drafts is None and not sync_free and all(plain_greedy(s) for s in seqs):
-            return self._plain_greedy_step(logits.float(), seqs)
+            return self._plain_greedy_step(logits, seqs)
         return self.sample(logits, self.metadata(seqs, logits.shape[-1], drafts), sync_free)
 
-    @staticmethod
-    def _plain_greedy_step(logits: torch.Tensor, seqs: list) -> list[Sample | SampleError]:
+    def _plain_greedy_step(self, logits: torch.Tensor, seqs: list) -> list[Sample | SampleError]:
         """The pipeline's ops a step of plain greedy rows runs, without building its metadata (the commonest
-        step: the non-finite check, then the argmax)."""
+        step: the non-finite check, then the argmax): the kernel set's argmax_rows in one read of the logits where
+        it has one, else plain_greedy_picks."""
         out: list[Sample | SampleError | None] = [None] * len(seqs)
-        picks, bad = plain_greedy_picks(logits)
+        if (self.argmax_rows is not None and logits.device.type == "cpu"
+                and logits.dtype in (torch.float32, torch.bfloat16)):
+            picks, bad = self.argmax_rows(logits)
+        else:
+            picks, bad = plain_greedy_picks(logits.float())
         for b in bad:
             out[b] = SampleError(_nonfinite_message(logits[b]))
         return [o if o is not None else Sample(t) for o, t in zip(out, picks)]

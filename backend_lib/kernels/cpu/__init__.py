@@ -75,6 +75,7 @@ def load(cache_dir=None) -> Kernels | None:
         float_rows=lambda p, ids: ops.float_packed_rows(p[0], ids, p[2]),
         float_linear_rows=lambda x, p, ids: ops.float_linear_rows(x, p[0], p[1], ids),
         greedy_screen=ops.greedy_screen,
+        argmax_rows=ops.argmax_rows,
         greedy_head_picks=lambda x, p8, c, d, wmax, p, coef, margin, limit: ops.greedy_head_picks(
             x, *p8, c, d, wmax, p[0], p[1], coef, margin, limit),
         write_kv=ops.write_kv,

@@ -38,6 +38,7 @@ TORCH_LIBRARY(qwen3_cpu, m) {
         "int KVH, float eps, float scale, Tensor(c!)? aux=None, int[] aux_layers=[]) -> Tensor",
         &qk::decode_layers);
   m.def("decode_layers_profile(bool enable) -> Tensor", &qk::decode_layers_profile);
+  m.def("argmax_rows(Tensor logits) -> (int[], int[])", &qk::argmax_rows);
   m.def("stream_zeros(int[] size, ScalarType dtype) -> Tensor", &qk::stream_zeros);
   m.def("moe_route(Tensor logits, int top_k, bool norm_topk_prob) -> (Tensor, Tensor)", &qk::moe_route);
   m.def("moe_route_path(int top_k, bool norm_topk_prob) -> str", &qk::moe_route_path);

@@ -71,6 +71,8 @@ at::Tensor decode_layers(const at::Tensor& x, const c10::intrusive_ptr<LayerPack
                          int64_t H, int64_t KVH, double eps, double scale, const c10::optional<at::Tensor>& aux,
                          at::IntArrayRef aux_layers);
 at::Tensor decode_layers_profile(bool enable);
+// argmax.cpp: (ids [B], the rows holding a NaN or an infinity) of logits [B, V]: each row's first index of its maximum
+std::tuple<std::vector<int64_t>, std::vector<int64_t>> argmax_rows(const at::Tensor& logits);
 // memory.cpp: a zeroed CPU tensor for a large buffer streamed every step (packed weights, KV pools), on huge pages
 at::Tensor stream_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob);
