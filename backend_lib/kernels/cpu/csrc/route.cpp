@@ -2,9 +2,9 @@
 // torch.topk(probs, k), weights / weights.sum(-1) when norm_topk_prob, the cast to the logits' dtype.
 //
 // route_rows computes it with no ATen op: inside the decode region each call of an op (softmax, topk, sum, div, to,
-// the allocations) runs cold, its code and data evicted by the layer's weight stream, and route() through them took
-// ~50 us a sparse layer there against ~5 us warm (2.4 ms a token at Qwen3-30B-A3B's 48 layers; the 2-core Zen 4 VM).
-// Its bits are ATen's:
+// the allocations) runs cold, its code and data evicted by the layer's weight stream, and routing through them took
+// ~37-50 us a sparse layer there (most steps through at::topk: bf16 router logits tie), ~7 us now with the region's
+// barrier (the 2-core Zen 4 VM; Qwen3-30B-A3B has 48 sparse layers). Its bits are ATen's:
 // - the softmax is ATen's CPU kernel for a float row (_vec_softmax_lastdim: reduce_all of the maximum, map
 //   (x - max).exp(), reduce_all of the sum, times 1 / sum) written with the same at::vec functions, compiled for the
 //   capability ATen dispatches to at run time (its Vectorized<float> and Sleef's expf of that width, exported by
