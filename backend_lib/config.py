@@ -10,6 +10,9 @@ from .contract.fields import SamplingLimits
 
 
 LM_HEAD_QUANTS = ("checkpoint", "int8", "int4", "int4a8")
+MOE_EXPERTS_QUANTS = ("checkpoint", "int4a8")
+# the kernel sets whose MoE slot takes int4a8 experts (the CPU set's native op; the reference's composed slot)
+MOE_INT4A8_KERNELS = ("cpu", "reference")
 GREEDY_HEADS = ("auto", "int8", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -38,6 +41,10 @@ class EngineConfig:
     # checkpoint (the head as stored) | int8 (per channel, A8W8) | int4 (group 128, W4A16) | int4a8 (int4's codes on
     # int8 activations: llama.cpp's Q4_0 head in kind, kernels/reference/w4a8.py)
     lm_head_quant: str = "checkpoint"
+    # Qwen3-MoE's routed experts: checkpoint (as stored) | int4a8 (int4 codes, zero point 8, on per-token int8
+    # activations: an int4 checkpoint's own symmetric codes, float experts quantized at load, group 128; the
+    # head's int4a8 arithmetic, kernels/reference/w4a8.py; the cpu and reference kernel sets)
+    moe_experts_quant: str = "checkpoint"
     # plain-greedy rows picked through an int8 screen of the checkpoint's float head, the same tokens (half the
     # head's bytes a step: layers/greedy_head.py) | off; auto: int8 on the CPU set with lm_head_quant checkpoint
     greedy_head: str = "auto"
@@ -143,6 +150,15 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be > 1, got {self.max_model_len}")
         if self.lm_head_quant not in LM_HEAD_QUANTS:
             raise ValueError(f"lm_head_quant: {self.lm_head_quant!r} is not one of {', '.join(LM_HEAD_QUANTS)}")
+        if self.moe_experts_quant not in MOE_EXPERTS_QUANTS:
+            raise ValueError(f"moe_experts_quant: {self.moe_experts_quant!r} is not one of "
+                             f"{', '.join(MOE_EXPERTS_QUANTS)}")
+        if self.moe_experts_quant != "checkpoint" and self.tensor_parallel_size > 1:
+            raise ValueError(f"moe_experts_quant: {self.moe_experts_quant} is not supported with "
+                             "tensor_parallel_size > 1 (the ranks load the checkpoint's experts); use checkpoint")
+        if self.moe_experts_quant != "checkpoint" and self.kernels not in ("auto",) + MOE_INT4A8_KERNELS:
+            raise ValueError(f"moe_experts_quant: {self.moe_experts_quant} runs on the "
+                             f"{' and '.join(MOE_INT4A8_KERNELS)} kernel sets, not {self.kernels!r}")
         if self.greedy_head not in GREEDY_HEADS:
             raise ValueError(f"greedy_head: {self.greedy_head!r} is not one of {', '.join(GREEDY_HEADS)}")
         if self.greedy_head == "int8" and self.lm_head_quant != "checkpoint":

@@ -12,7 +12,10 @@ read (bench/step_profile.py) measured in the same rounds. The checkpoints keep l
 releases do; llama.cpp's Q8_0 / Q4_0 quantize theirs to Q8_0 / Q6_K, so the engine quantizes its head at load too:
 int8 for A8W8 (`--lm-head-quant int8`, the bytes of Q8_0's), int4 codes on int8 activations for W4A16
 (`--lm-head-quant int4a8`, group 128: the bytes and the kind of arithmetic of a Q4_0 head, which llama.cpp's
-`q4_0-q4head` file has; its default Q4_0 file's Q6_K head reads 1.46x those). Only the ratios of one run mean anything on a shared host.
+`q4_0-q4head` file has; its default Q4_0 file's Q6_K head reads 1.46x those). The W4A16 checkpoint runs twice: with
+its experts as stored (`W4A16`: the fp32 FMA a weight of the W4A16 contract) and with `--moe-experts-quant int4a8`
+(`W4A16 int4a8`: the same codes on int8 activations, llama.cpp's Q4_0 x Q8_0 in kind, its scales in fp32 without the
+zeros). Only the ratios of one run mean anything on a shared host.
 """
 from __future__ import annotations
 
@@ -31,10 +34,12 @@ from .run import ROOT, Worker, decode_rate, log
 from .step_profile import stream_read_gbs
 
 SIZE = "30b-a3b"
-# engine format, checkpoint, the engine's lm_head_quant, llama.cpp quants (the first: the one llama-quantize makes by
-# default; q4_0-q4head: Q4_0 with its head in Q4_0, the bytes of the engine's int4 head, llama.cpp's side of a
-# bytes-matched comparison)
-PAIRS = (("A8W8", "a8w8", "int8", ("q8_0",)), ("W4A16", "w4a16", "int4a8", ("q4_0", "q4_0-q4head")))
+# engine label, checkpoint, the engine's lm_head_quant, its moe_experts_quant, llama.cpp quants (the first: the one
+# llama-quantize makes by default; q4_0-q4head: Q4_0 with its head in Q4_0, the bytes of the engine's int4 head,
+# llama.cpp's side of a bytes-matched comparison)
+PAIRS = (("A8W8", "a8w8", "int8", "checkpoint", ("q8_0",)),
+         ("W4A16", "w4a16", "int4a8", "checkpoint", ("q4_0", "q4_0-q4head")),
+         ("W4A16 int4a8", "w4a16", "int4a8", "int4a8", ("q4_0", "q4_0-q4head")))
 QUANTS = tuple(q for *_, qs in PAIRS for q in qs)
 
 
@@ -70,9 +75,11 @@ def _w_bytes(fmt: str, n: int, k: int, group: int = 128) -> int:
     return 2 * n * k
 
 
-def bytes_per_token(cfg: dict, fmt: str, context: int, head: str = "int8", group: int = 128) -> dict[str, int]:
+def bytes_per_token(cfg: dict, fmt: str, context: int, head: str = "int8", group: int = 128,
+                    experts_quant: str = "checkpoint") -> dict[str, int]:
     """What one batch-1 decode token reads, by part, at `context` tokens in the KV cache (bf16); head: the
-    engine's lm_head_quant (int8, int4 / int4a8 in groups of 128, or checkpoint: bf16)."""
+    engine's lm_head_quant (int8, int4 / int4a8 in groups of 128, or checkpoint: bf16); experts_quant: its
+    moe_experts_quant (int4a8: the codes and fp32 scales, no zeros)."""
     h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     nh, kvh, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     inter, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
@@ -80,7 +87,8 @@ def bytes_per_token(cfg: dict, fmt: str, context: int, head: str = "int8", group
     attn = _w_bytes(fmt, (nh + 2 * kvh) * d, h, group) + _w_bytes(fmt, h, nh * d, group) + 2 * (2 * h + 2 * d)
     kv = context * kvh * d * 2 * 2
     router = 2 * e * h
-    experts = k * (_w_bytes(fmt, 2 * inter, h, group) + _w_bytes(fmt, h, inter, group))
+    efmt = "w4a8" if experts_quant == "int4a8" else fmt
+    experts = k * (_w_bytes(efmt, 2 * inter, h, group) + _w_bytes(efmt, h, inter, group))
     vocab = cfg["vocab_size"]
     head_group = INT4_HEAD_GROUP if h % INT4_HEAD_GROUP == 0 else h   # layers/linear.py int4_head_weight's groups
     head_w = _w_bytes({"int8": "a8w8", "int4": "w4a16", "int4a8": "w4a8"}.get(head, "bf16"), vocab, h, head_group)
@@ -140,12 +148,14 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
     engine = [sys.executable, "-m", "bench.workers.engine_worker", "--max-model-len", max_len, "--max-num-seqs",
               str(max(batches)), "--kv-cache-memory", "1GiB"]
     systems: dict = {}
-    for label, fmt, head, quants in PAIRS:
-        systems[f"engine {label}"] = Worker(f"moe-engine-{fmt}", engine + ["--checkpoint", str(ck[fmt]),
-                                                                           "--lm-head-quant", head], out_dir)
+    for label, fmt, head, experts_quant, quants in PAIRS:
+        tag = fmt if experts_quant == "checkpoint" else f"{fmt}-{experts_quant}"
+        systems[f"engine {label}"] = Worker(f"moe-engine-{tag}", engine + [
+            "--checkpoint", str(ck[fmt]), "--lm-head-quant", head, "--moe-experts-quant", experts_quant], out_dir)
         for quant in quants if ggufs is not None else ():
-            systems[f"llama.cpp {quant.upper()}"] = llamacpp.LlamaCppSystem(ggufs[quant], threads,
-                                                                             out_dir / "llamacpp.log")
+            if f"llama.cpp {quant.upper()}" not in systems:   # one per file, shared by the engines of its format
+                systems[f"llama.cpp {quant.upper()}"] = llamacpp.LlamaCppSystem(ggufs[quant], threads,
+                                                                                 out_dir / "llamacpp.log")
     decode: dict[tuple[str, int], list[float]] = {}
     stream: list[float] = []
     try:
@@ -176,11 +186,13 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
     for (name, b), v in med.items():
         rows.append({"group": "moe", "system": name, "mode": "decode", "batch": b, "prompt_len": prompt_len,
                      "new_tokens": new_tokens, "layers": layers, "decode_tokens_per_s": v, "runs": decode[(name, b)]})
-    for label, fmt, head, quants in PAIRS:
-        nb = bytes_per_token(cfg, fmt, prompt_len + new_tokens // 2, head=head, group=group)
+    for label, fmt, head, experts_quant, quants in PAIRS:
+        nb = bytes_per_token(cfg, fmt, prompt_len + new_tokens // 2, head=head, group=group,
+                             experts_quant=experts_quant)
         floor = gbs * 1e9 / nb["total"]
         eng = f"engine {label}"
         summary = {"group": "moe", "system": eng, "mode": "summary", "format": fmt, "lm_head_quant": head,
+                   "moe_experts_quant": experts_quant,
                    "layers": layers, "quants": quants,
                    "stream_gbs": gbs, "stream_gbs_rounds": stream, "bytes_per_token": nb, "floor_tokens_per_s": floor,
                    "rss_mib": mem.get(eng, {}).get("rss_mib")}

@@ -478,6 +478,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--lm-head-quant", default="checkpoint", help="checkpoint (the head as stored), int8, int4 or "
                     "int4a8 (EngineConfig.lm_head_quant: the heads the MoE group's engines run)")
+    ap.add_argument("--moe-experts-quant", default="checkpoint", help="checkpoint (a MoE's experts as stored) or "
+                    "int4a8 (EngineConfig.moe_experts_quant: int4 codes on int8 activations)")
     ap.add_argument("--greedy-head", default="auto", help="auto / int8 / off (EngineConfig.greedy_head: the int8 screen "
                     "of a float head's greedy rows; auto: on with the checkpoint's head on the CPU set)")
     args = ap.parse_args()
@@ -488,7 +490,8 @@ def main() -> None:
         ap.error("--batch: with --region")
     eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="256MiB" if args.batch == 1 else "1GiB",
                                  max_model_len=1100, max_num_seqs=args.batch, enable_prefix_caching=False,
-                                 lm_head_quant=args.lm_head_quant, greedy_head=args.greedy_head))
+                                 lm_head_quant=args.lm_head_quant, greedy_head=args.greedy_head,
+                                 moe_experts_quant=args.moe_experts_quant))
     if args.ab_steps:
         res = []
         for t in [int(t) for t in args.threads.split(",")]:

@@ -159,12 +159,14 @@ def load_model(folder, dtype=torch.float32, kernels=None):
                                             dtype, torch.device("cpu"), kernels or get_kernels("cpu"), 256)
 
 
-def moe_block(ckpt: Path, kernels, dtype: torch.dtype, layer: int = 0):
-    """The sparse MLP of `layer` of a MoE checkpoint, loaded on the CPU for `kernels` (the kernel sets' tests)."""
+def moe_block(ckpt: Path, kernels, dtype: torch.dtype, layer: int = 0, experts_quant: str = "checkpoint"):
+    """The sparse MLP of `layer` of a MoE checkpoint, loaded on the CPU for `kernels` (the kernel sets' tests);
+    experts_quant as EngineConfig.moe_experts_quant."""
     from backend_lib.checkpoint import ModelConfig, WeightStore, parse_quantization_config
     from backend_lib.layers.moe import load_sparse_moe
 
     mc = ModelConfig.from_dir(ckpt)
     return load_sparse_moe(WeightStore(ckpt), f"model.layers.{layer}.mlp", mc.hidden_size, mc.moe,
-                           parse_quantization_config(mc.quantization_config), dtype, torch.device("cpu"), kernels)
+                           parse_quantization_config(mc.quantization_config), dtype, torch.device("cpu"), kernels,
+                           experts_quant=experts_quant)
 

@@ -182,6 +182,10 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
     assert w4_int4["total"] == sum(v for k, v in w4_int4.items() if k != "total")
     # int4a8: the same codes, fp32 scales only (the zero point is 8), as W4A8Linear's prepared weight holds them
     assert bytes_per_token(cfg, "w4a16", context=100, head="int4a8")["head"] == 151936 * 1024 + 151936 * 16 * 4 + 4 * 2048
+    # moe_experts_quant int4a8: the experts' codes and fp32 scales (no zeros); the attention stays W4A16
+    w4a8 = bytes_per_token(cfg, "w4a16", context=100, head="int4a8", experts_quant="int4a8")
+    assert w4a8["experts"] == 4 * 8 * (1536 * 1024 + 1536 * 16 * 4 + 2048 * 384 + 2048 * 6 * 4)
+    assert w4a8["attention"] == w4["attention"] and w4a8["total"] == sum(v for k, v in w4a8.items() if k != "total")
 
     moe = tmp_path / "qwen3-30b-a3b-l4-bf16"
     moe.mkdir()

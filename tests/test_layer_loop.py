@@ -437,6 +437,30 @@ def test_act_order_w4a16_decode_steps_run_in_one_region_with_the_python_loops_bi
         assert prof[:, _phase("gateUp")].sum().item() > 0
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int4a8_experts_decode_steps_run_in_one_region_with_the_python_loops_bits(ckpts, dtype, batch, threads):
+    """`moe_experts_quant: int4a8` (W4A8Linear experts: the W4A16 checkpoint's codes on int8 activations) in the
+    one region: each token row quantized once as moe::prepare does for the native op, the experts' panels
+    w4a8_linear's; every step's hidden states, logits and KV caches bit-identical to the Python loop (the native
+    MoE op), batch 1 and 5, 1 and 2 threads; and greedy ids with the loop on and off, batched and alone."""
+    if dtype == "float32" and (batch, threads) != (5, 2):
+        pytest.skip("covered by the other cases")
+    eng = make_engine(_w4a16(ckpts, "moe"), dtype=dtype, max_num_seqs=8, kv_cache_memory="4MiB", max_model_len=256,
+                      moe_experts_quant="int4a8")
+    from backend_lib.kernels.cpu.moe import W4A8, table_of
+
+    mlp = eng.runner.model.layers[0].mlp
+    assert table_of(mlp.moe_weights).dims[0] == W4A8
+    twin, prof, _ = _generate_profiled(eng, batch, threads)
+    assert prof[:, _phase("expGateUp")].sum().item() > 0 and prof[:, _phase("expDown")].sum().item() > 0
+    if (batch, threads) == (5, 2):   # through the engine (a fresh one: the twin stays on this one's forward)
+        eng = make_engine(_w4a16(ckpts, "moe"), dtype=dtype, max_num_seqs=8, kv_cache_memory="8MiB",
+                          max_model_len=256, moe_experts_quant="int4a8")
+        _assert_loop_ids_equal_the_python_loop(eng, _prompts(eng, 8), steps=16, solo=2)
+
+
 @pytest.mark.parametrize("which", ["sym", "moe", "descact", "moe-descact"])
 def test_w4a16_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(ckpts, which):
     """Through the engine: the same greedy ids with the layer loop on and off, and batched as alone."""

@@ -313,6 +313,23 @@ def test_cpu_a8w8_moe_equals_the_reference_bit_for_bit(moe_a8w8_ckpt, dtype):
     assert torch.equal(ref, cpu) and ref.abs().sum() > 0
 
 
+def _solo_rows(kernels, x, ids, w, block):
+    """Each row of x through the set's moe slot alone, concatenated."""
+    return torch.cat([kernels.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], block.expert_pairs)
+                      for i in range(x.shape[0])])
+
+
+def _all_experts(kernels, x, block, dtype):
+    """Every expert at once (k = 8, each of 5 tokens all experts, in shuffled order): the slot's and the composed
+    slot's outputs."""
+    from backend_lib.kernels.moe import grouped_moe
+
+    ids8 = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i)) for i in range(5)])
+    w8 = torch.softmax(torch.randn(5, 8, generator=torch.Generator().manual_seed(1)), -1).to(dtype)
+    return kernels.moe_experts(x[:5], ids8, w8, block.expert_pairs), grouped_moe(kernels, x[:5], ids8, w8,
+                                                                                  block.expert_pairs)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "a8w8", "w4a16", "w4a16-asym", "gptq-descact"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_native_moe_op_equals_the_composed_slot_bit_for_bit(ckpts, moe_bf16_ckpt, moe_a8w8_ckpt, fmt, dtype):
@@ -343,13 +360,7 @@ def test_cpu_native_moe_op_equals_the_composed_slot_bit_for_bit(ckpts, moe_bf16_
         ids, w = route(block.gate.forward(x), 2, True)
         native = cpu.moe_experts(x, ids, w, block.expert_pairs)
         composed = grouped_moe(cpu, x, ids, w, block.expert_pairs)
-        solo = torch.cat([cpu.moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], block.expert_pairs)
-                          for i in range(x.shape[0])])
-        # every expert at once (k = 8, each token all experts, in shuffled order)
-        ids8 = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i)) for i in range(5)])
-        w8 = torch.softmax(torch.randn(5, 8, generator=torch.Generator().manual_seed(1)), -1).to(dtype)
-        all8 = cpu.moe_experts(x[:5], ids8, w8, block.expert_pairs)
-        all8_composed = grouped_moe(cpu, x[:5], ids8, w8, block.expert_pairs)
+        solo, (all8, all8_composed) = _solo_rows(cpu, x, ids, w, block), _all_experts(cpu, x, block, dtype)
     assert torch.equal(native, composed) and native.abs().sum() > 0
     assert torch.equal(native, solo)
     assert torch.equal(all8, all8_composed)
@@ -481,3 +492,95 @@ def test_streamed_moe_checkpoint_is_the_published_layout_in_shards(ckpts, moe_bf
         eng = make_engine(out)
         res = eng.generate([eng.tokenizer.encode(PROMPTS[0])], greedy(eng, 8))
         assert len(res[0]["output_ids"]) == 8
+
+
+# ----- moe_experts_quant: int4a8 (int4 codes on int8 activations) ----------------------------------------------
+
+def _int4a8_source(ckpts, moe_bf16_ckpt, fmt):
+    return moe_bf16_ckpt if fmt == "bf16" else ckpts.get("tiny-moe-w4a16", "w4a16", "tiny-moe")
+
+
+@pytest.mark.parametrize("fmt", ["w4a16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4a8_experts_native_op_equals_the_composed_slot_and_the_reference(ckpts, moe_bf16_ckpt, fmt, dtype):
+    """`moe_experts_quant: int4a8`: a W4A16 checkpoint's own codes and scales (a bf16 one's quantized at load) as
+    W4A8Linear experts; the CPU set's native op (kind W4A8 in csrc/moe_parts.h: the token rows quantized once,
+    w4a8_linear's panels) gives the composed slot's bits (each expert's w4a8_linear) on the same routing, batched,
+    alone and with every expert routed; each expert's GEMMs give the reference set's (kernels/reference/w4a8.py
+    in torch ops: the same integers and fp32 epilogue)."""
+    from backend_lib.checkpoint.int4 import read_int4
+    from backend_lib.kernels import REFERENCE, get_kernels
+    from backend_lib.kernels.cpu.moe import W4A8, build_table
+    from backend_lib.kernels.moe import grouped_moe
+    from backend_lib.layers.moe import route
+
+    ckpt = _int4a8_source(ckpts, moe_bf16_ckpt, fmt)
+    cpu = get_kernels("cpu", "cpu")
+    block = moe_block(ckpt, cpu, dtype, experts_quant="int4a8")
+    ref_block = moe_block(ckpt, REFERENCE, dtype, experts_quant="int4a8")
+    assert all(type(m).__name__ == "W4A8Linear" for pair in block.expert_pairs for m in pair)
+    assert type(block.gate).__name__ == "FloatLinear"   # the router stays as stored
+    table = build_table(block.expert_pairs)
+    assert table is not None and table.dims[0] == W4A8 and table.table.shape[1] == 4
+    if fmt == "w4a16":   # the checkpoint's own codes and scales, fused gate then up
+        mc = ModelConfig.from_dir(ckpt)
+        args = parse_quantization_config(mc.quantization_config).int4
+        store, p, inter = WeightStore(ckpt), "model.layers.0.mlp.experts.3", mc.moe.moe_intermediate_size
+        gate, up = (read_int4(store, f"{p}.{n}_proj", inter, mc.hidden_size, args) for n in ("gate", "up"))
+        codes, scales = ref_block.expert_pairs[3][0].prepared
+        assert torch.equal(codes, (torch.cat([gate.codes, up.codes]).to(torch.int16) - 8).to(torch.int8))
+        assert torch.equal(scales, torch.cat([gate.scales, up.scales]).float())
+    x = _hidden(dtype=dtype)
+    with torch.inference_mode():
+        ids, w = route(ref_block.gate.forward(x), 2, True)
+        native = cpu.moe_experts(x, ids, w, block.expert_pairs)
+        composed = grouped_moe(cpu, x, ids, w, block.expert_pairs)
+        for (gu, dn), (rgu, rdn) in zip(block.expert_pairs, ref_block.expert_pairs):
+            h = gu.forward(x)
+            assert torch.equal(h, rgu.forward(x))
+            assert torch.equal(dn.forward(h[:, :h.shape[1] // 2]), rdn.forward(h[:, :h.shape[1] // 2]))
+        solo, (all8, all8_composed) = _solo_rows(cpu, x, ids, w, block), _all_experts(cpu, x, block, dtype)
+        # against the checkpoint's own experts (W4A16 / bf16): close, not equal (int8 activations)
+        exact = cpu.moe_experts(x, ids, w, moe_block(ckpt, cpu, dtype).expert_pairs)
+    assert torch.equal(native, composed) and native.abs().sum() > 0
+    assert torch.equal(native, solo) and torch.equal(all8, all8_composed)
+    # the int4 checkpoint's codes: the activations' int8 rounding alone; bf16 experts: the int4 rounding of random
+    # weights besides
+    err = (native.float() - exact.float()).norm() / exact.float().norm()
+    assert 0 < err < (0.03 if fmt == "w4a16" else 0.3)
+
+
+def test_int4a8_experts_refuse_what_they_cannot_take_naming_the_field(ckpts, bf16_ckpt, moe_a8w8_ckpt):
+    """Errors name moe_experts_quant and the tensor: W8A8 experts (int8 codes re-quantized would round twice),
+    asymmetric or act-order int4 experts, a dense model, another kernel set, tensor parallel, an unknown value."""
+    from backend_lib.config import EngineConfig
+    from backend_lib.kernels import get_kernels
+
+    cpu = get_kernels("cpu", "cpu")
+    with pytest.raises(ValueError, match=r"moe_experts_quant: int4a8 takes int4 .* 'model\.layers\.0\.mlp\.experts\.0\."
+                                         r"gate_proj' is a8w8"):
+        moe_block(moe_a8w8_ckpt, cpu, torch.bfloat16, experts_quant="int4a8")
+    asym = ckpts.get("tiny-moe-w4a16-asym", "w4a16", "tiny-moe", symmetric=False)
+    with pytest.raises(ValueError, match=r"moe_experts_quant: int4a8 takes symmetric .*'model\.layers\.0\.mlp\."
+                                         r"experts\.0\.gate_proj' has zero points"):
+        moe_block(asym, cpu, torch.bfloat16, experts_quant="int4a8")
+    descact = ckpts.get("tiny-moe-gptq-descact", "gptq", "tiny-moe", group_size=16, desc_act=True)
+    with pytest.raises(ValueError, match=r"moe_experts_quant: int4a8 takes int4 codes in column order; "
+                                         r"'model\.layers\.0\.mlp\.experts\.0\.gate_proj' has an act-order perm"):
+        moe_block(descact, cpu, torch.bfloat16, experts_quant="int4a8")
+    with pytest.raises(ValueError, match="moe_experts_quant: 'int8' is not one of checkpoint, int4a8"):
+        moe_block(moe_a8w8_ckpt, cpu, torch.bfloat16, experts_quant="int8")
+    with pytest.raises(ValueError, match="moe_experts_quant: int4a8 applies to Qwen3-MoE checkpoints"):
+        make_engine(bf16_ckpt, moe_experts_quant="int4a8")
+    from backend_lib.models import Qwen3ForCausalLM   # kernels: auto resolving to another set (a GPU's)
+
+    mc = ModelConfig.from_dir(moe_a8w8_ckpt)
+    with pytest.raises(ValueError, match="moe_experts_quant: int4a8 runs on the cpu and reference kernel sets; this "
+                                         "engine runs 'triton'"):
+        Qwen3ForCausalLM.from_checkpoint(WeightStore(moe_a8w8_ckpt), mc, None, torch.float32, torch.device("cpu"),
+                                         get_kernels("cpu", "triton"), 64, moe_experts_quant="int4a8")
+    for kw, pattern in (({"kernels": "triton"}, "runs on the cpu and reference kernel sets, not 'triton'"),
+                        ({"tensor_parallel_size": 2}, "not supported with tensor_parallel_size > 1"),
+                        ({"moe_experts_quant": "int4"}, "'int4' is not one of checkpoint, int4a8")):
+        with pytest.raises(ValueError, match=f"moe_experts_quant: .*{pattern}"):
+            EngineConfig(checkpoint=str(moe_a8w8_ckpt), **{"moe_experts_quant": "int4a8", **kw}).validate()

@@ -72,13 +72,14 @@ class W4A16Linear(nn.Module):
 
 
 class W4A8Linear(nn.Module):
-    """The int4 head on int8 activations (`lm_head_quant: int4a8`): int4_head_weight's codes and scales (zero point
-    8) in the kernel set's form, y as kernels/reference/w4a8.py computes it (llama.cpp's Q4_0 head in kind)."""
+    """Int4 codes on int8 activations: the head (`lm_head_quant: int4a8`: int4_head_weight's codes) and the MoE
+    experts (`moe_experts_quant: int4a8`: load_int4a8), codes and scales (zero point 8) in the kernel set's form, y
+    as kernels/reference/w4a8.py computes it (llama.cpp's Q4_0 x Q8_0 in kind)."""
 
     def __init__(self, weight: Int4Weight, kernels: Kernels):
         super().__init__()
         if weight.perm is not None or not bool((weight.zeros == 8).all()):
-            raise ValueError("int4a8: the head's codes must be symmetric (zero point 8) and in column order")
+            raise ValueError("int4a8: the codes must be symmetric (zero point 8) and in column order")
         self.out_features, self.in_features = weight.codes.shape
         self.kernels = kernels
         self.prepared = kernels.w4a8_prepared(weight.codes, weight.scales)
@@ -154,6 +155,43 @@ def int4_head_weight(weight: torch.Tensor, rows_per_chunk: int = 8192) -> Int4We
         c, s, _ = rtn_quantize(weight[r:r + rows_per_chunk], group, True, torch.bfloat16)
         codes[r:r + rows_per_chunk], scales[r:r + rows_per_chunk] = c, s.float()
     return Int4Weight(codes, scales, torch.full_like(scales, 8), group, None)
+
+
+def load_int4a8(store: WeightStore, names: list[str], out_features: list[int], in_features: int,
+                scheme: QuantScheme | None, device: torch.device, kernels: Kernels) -> W4A8Linear:
+    """The Linear modules `names` fused as load_linear fuses them, as int4 codes on int8 activations
+    (`moe_experts_quant: int4a8`): an int4 checkpoint's own codes and scales (W4A16 / GPTQ / AWQ, symmetric: zero
+    point 8, in column order: no act-order perm), or a float weight quantized by int4_head_weight's rule (group
+    128). Errors name the field and the tensor; an int8 (W8A8) checkpoint's experts are refused: int4 codes from
+    int8 ones would round twice (its experts run A8W8 as stored)."""
+    quantized = [scheme is not None and scheme.is_quantized(n) for n in names]
+    if any(quantized) != all(quantized):
+        raise CheckpointError(f"modules {names} must all be quantized or all unquantized to be fused")
+    if quantized[0] and scheme.kind != "w4a16":
+        raise ValueError(f"moe_experts_quant: int4a8 takes int4 (W4A16, GPTQ, AWQ) or float experts; '{names[0]}' "
+                         f"is {scheme.kind} (set moe_experts_quant: checkpoint)")
+    if quantized[0]:
+        parts = [read_int4(store, name, n_out, in_features, scheme.int4) for name, n_out in zip(names, out_features)]
+        for name, p in zip(names, parts):
+            if p.perm is not None:
+                raise ValueError(f"moe_experts_quant: int4a8 takes int4 codes in column order; '{name}' has an "
+                                 "act-order perm (g_idx)")
+            if not bool((p.zeros == 8).all()):
+                raise ValueError(f"moe_experts_quant: int4a8 takes symmetric int4 codes (zero point 8); '{name}' has "
+                                 "zero points of its own")
+        if len({p.group_size for p in parts}) != 1:
+            raise CheckpointError(f"modules {names}: int4 group sizes differ, they cannot be fused")
+        fused = Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                           torch.cat([p.zeros for p in parts]), parts[0].group_size, None)
+        return W4A8Linear(_to(fused, device), kernels)
+    weights = [store.get(f"{name}.weight", (n_out, in_features), FLOAT_DTYPES)
+               for name, n_out in zip(names, out_features)]
+    return int4a8_linear(torch.cat(weights, 0), device, kernels)
+
+
+def int4a8_linear(weight: torch.Tensor, device: torch.device, kernels: Kernels) -> W4A8Linear:
+    """W4A8Linear of a float weight [N, K]: int4_head_weight's codes (group 128, zero point 8, bf16 scales)."""
+    return W4A8Linear(int4_head_weight(weight.to(device)), kernels)
 
 
 def make_head(weight: torch.Tensor, kernels: Kernels, lm_head_quant: str, greedy_head: str = "off") -> nn.Module:

@@ -11,7 +11,8 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, QuantScheme, WeightStore
 from ..kernels import Kernels
-from .linear import FLOAT_DTYPES, FloatLinear, load_linear
+from ..config import MOE_EXPERTS_QUANTS
+from .linear import FLOAT_DTYPES, FloatLinear, int4a8_linear, load_int4a8, load_linear
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,12 +51,18 @@ class Qwen3SparseMoe(nn.Module):
 
 
 def load_sparse_moe(store: WeightStore, prefix: str, hidden: int, moe, scheme: QuantScheme | None,
-                    dtype: torch.dtype, device: torch.device, kernels: Kernels, owned=None) -> Qwen3SparseMoe:
+                    dtype: torch.dtype, device: torch.device, kernels: Kernels, owned=None,
+                    experts_quant: str = "checkpoint") -> Qwen3SparseMoe:
     """The sparse MLP `prefix` (e.g. model.layers.3.mlp): router `prefix.gate`, experts either per expert as the
     published checkpoints store them (`prefix.experts.E.{gate,up,down}_proj`, in every format load_linear reads)
     or as the fused 3-D float tensors of transformers' in-memory layout (`prefix.experts.gate_up_proj`
     [E, 2I, H], `prefix.experts.down_proj` [E, H, I]). owned(e) False: expert e is not loaded (None in its place:
-    another expert-parallel rank holds it)."""
+    another expert-parallel rank holds it). experts_quant (EngineConfig.moe_experts_quant): 'checkpoint' (the
+    experts as stored) or 'int4a8' (int4 codes on int8 activations, layers/linear.py load_int4a8; the router
+    stays as stored)."""
+    if experts_quant not in MOE_EXPERTS_QUANTS:
+        raise ValueError(f"moe_experts_quant: {experts_quant!r} is not one of {', '.join(MOE_EXPERTS_QUANTS)}")
+    int4a8 = experts_quant == "int4a8"
     e_n, inter = moe.num_experts, moe.moe_intermediate_size
     gptq_like = scheme is not None and scheme.int4 is not None and scheme.int4.format in ("gptq", "awq")
     if gptq_like and store.has(f"{prefix}.gate.weight"):
@@ -75,6 +82,9 @@ def load_sparse_moe(store: WeightStore, prefix: str, hidden: int, moe, scheme: Q
             if owned is not None and not owned(e):
                 experts.append(None)
                 continue
+            if int4a8:
+                experts.append((int4a8_linear(gate_up[e], device, kernels), int4a8_linear(down[e], device, kernels)))
+                continue
             experts.append((FloatLinear(gate_up[e].to(device=device, dtype=dtype).contiguous(), kernels),
                             FloatLinear(down[e].to(device=device, dtype=dtype).contiguous(), kernels)))
     else:
@@ -87,6 +97,11 @@ def load_sparse_moe(store: WeightStore, prefix: str, hidden: int, moe, scheme: Q
                 experts.append(None)
                 continue
             p = f"{prefix}.experts.{e}"
+            if int4a8:
+                experts.append((load_int4a8(store, [f"{p}.gate_proj", f"{p}.up_proj"], [inter, inter], hidden, scheme,
+                                            device, kernels),
+                                load_int4a8(store, [f"{p}.down_proj"], [hidden], inter, scheme, device, kernels)))
+                continue
             gate_up = load_linear(store, [f"{p}.gate_proj", f"{p}.up_proj"], [inter, inter], hidden, scheme, dtype,
                                   device, kernels)
             down = load_linear(store, [f"{p}.down_proj"], [hidden], inter, scheme, dtype, device, kernels)

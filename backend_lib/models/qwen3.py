@@ -115,10 +115,21 @@ class Qwen3ForCausalLM(nn.Module):
     @classmethod
     def from_checkpoint(cls, store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
                         device: torch.device, kernels: Kernels, max_positions: int,
-                        lm_head_quant: str = "checkpoint", greedy_head: str = "off") -> "Qwen3ForCausalLM":
+                        lm_head_quant: str = "checkpoint", greedy_head: str = "off",
+                        moe_experts_quant: str = "checkpoint") -> "Qwen3ForCausalLM":
         """lm_head_quant: 'checkpoint' (the head as the checkpoint stores it), 'int8', 'int4' or 'int4a8' (quantized at
         load: layers/linear.py make_head; a tied embedding then keeps its own float rows). greedy_head 'int8': the
-        checkpoint's head with an int8 screen of its greedy rows (layers/greedy_head.py)."""
+        checkpoint's head with an int8 screen of its greedy rows (layers/greedy_head.py). moe_experts_quant:
+        'checkpoint' or 'int4a8' (a Qwen3-MoE's routed experts as int4 codes on int8 activations, layers/moe.py)."""
+        if moe_experts_quant != "checkpoint":
+            from ..config import MOE_INT4A8_KERNELS
+
+            if cfg.moe is None:
+                raise ValueError(f"moe_experts_quant: {moe_experts_quant} applies to Qwen3-MoE checkpoints; this one "
+                                 "is a dense Qwen3 (use checkpoint)")
+            if kernels.name not in MOE_INT4A8_KERNELS:
+                raise ValueError(f"moe_experts_quant: {moe_experts_quant} runs on the {' and '.join(MOE_INT4A8_KERNELS)}"
+                                 f" kernel sets; this engine runs {kernels.name!r}")
         t0 = time.time()
         hid, d = cfg.hidden_size, cfg.head_dim
         h, kvh, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
@@ -158,7 +169,8 @@ class Qwen3ForCausalLM(nn.Module):
             attn = Qwen3Attention(i, qkv, o, dense(f"{p}.self_attn.q_norm.weight", (d,)),
                                   dense(f"{p}.self_attn.k_norm.weight", (d,)), h, kvh, d, cfg.rms_norm_eps, kernels)
             if cfg.is_moe_layer(i):
-                mlp = load_sparse_moe(store, f"{p}.mlp", hid, cfg.moe, scheme, dtype, device, kernels)
+                mlp = load_sparse_moe(store, f"{p}.mlp", hid, cfg.moe, scheme, dtype, device, kernels,
+                                      experts_quant=moe_experts_quant)
             else:
                 gate_up = load_linear(store, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [inter, inter], hid,
                                       scheme, dtype, device, kernels)

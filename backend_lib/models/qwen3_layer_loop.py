@@ -7,7 +7,7 @@ nothing else: the `cpu` kernel set, every projection a plain A8W8Linear, a W4A16
 included: the op gathers each row by the linear's perm as w4a16_linear does) or a FloatLinear (bf16 / fp32 weights
 in float_pack's panels: float_linear) (each linear of its own kind, as the checkpoint has it), a dense KV cache;
 Qwen3-MoE's sparse layers (layers/moe.py) where the router is a FloatLinear, the routing layers/moe.py's route() and
-the experts float, A8W8 or W4A16 (act-order ones included, a perm per expert weight) in the set's native op
+the experts float, A8W8, W4A16 (act-order ones included, a perm per expert weight) or W4A8 in the set's native op
 (kernels/cpu/moe.py's table_of, the table the Python layer uses). Anything else (projections whose act-order perms
 differ, so that they stay a ConcatLinear of several W4A16Linears, experts the native op does not take, TurboQuant,
 linears wrapped with per-row features, expert parallelism) takes the Python loop. With `aux` the op also writes EAGLE-3's aux hidden states ([spec],
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_cache.dense import DenseKVCache
-from ..kernels.cpu.moe import A8W8, FLOAT, W4A16, table_of
+from ..kernels.cpu.moe import A8W8, FLOAT, W4A16, W4A8, table_of
 from ..layers.linear import A8W8Linear, FloatLinear, W4A16Linear
 from ..layers.mlp import Qwen3MLP
 from ..layers.moe import Qwen3SparseMoe
@@ -63,11 +63,11 @@ class LayerLoop:
     @staticmethod
     def _sparse_ok(mlp) -> bool:
         """A sparse layer the op computes as the Python layer does: route() on a FloatLinear router's logits, the
-        float, A8W8 or W4A16 experts through the CPU set's native op (its table)."""
+        float, A8W8, W4A16 or W4A8 experts through the CPU set's native op (its table)."""
         if mlp.kernels.moe_route is not None or type(mlp.gate) is not FloatLinear or mlp.gate.prepared[0].dim() != 4:
             return False
         table = table_of(mlp.moe_weights)
-        return table is not None and table.dims[0] in (FLOAT, A8W8, W4A16)
+        return table is not None and table.dims[0] in (FLOAT, A8W8, W4A16, W4A8)
 
     def applies(self, kv_cache) -> bool:
         if self.model.kernels.name != "cpu" or self.heads is None or type(kv_cache) is not DenseKVCache:

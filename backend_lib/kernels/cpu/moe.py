@@ -12,8 +12,8 @@ import torch
 
 from ..moe import grouped_moe
 
-FLOAT, A8W8, W4A16 = 0, 1, 2
-_KINDS = {"FloatLinear": FLOAT, "A8W8Linear": A8W8, "W4A16Linear": W4A16}
+FLOAT, A8W8, W4A16, W4A8 = 0, 1, 2, 3
+_KINDS = {"FloatLinear": FLOAT, "A8W8Linear": A8W8, "W4A16Linear": W4A16, "W4A8Linear": W4A8}
 
 
 class _Table:
@@ -36,6 +36,11 @@ def _weight(module, kind, n, k):
     if kind == A8W8:
         packed, scale, colsum = p
         return [packed.data_ptr(), scale.data_ptr(), colsum.data_ptr()], p, packed.size(1), -1.0, None
+    if kind == W4A8:   # `moe_experts_quant: int4a8` (kernels/cpu/__init__.py _w4a8_prepare's form)
+        packed, scales, n_out = p
+        if n_out != n or packed.dim() != 3 or packed.size(1) * 8 < k or k % scales.size(1):
+            return None
+        return [packed.data_ptr(), scales.data_ptr()], (packed, scales), scales.size(1), -1.0, None
     packed, scales, zeros, perm, n_out, lut_zero = p
     if n_out != n or perm.numel() not in (0, k) or perm.dtype != torch.int64 or not perm.is_contiguous():
         return None

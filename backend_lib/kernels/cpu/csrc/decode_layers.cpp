@@ -25,7 +25,7 @@
 // in float_linear's chunks, on its activation rows (the model dtype's; bf16 widened to fp32 where float_linear
 // widens them, the AVX2 build): each output an fp32 sum in k order rounded once, whichever thread takes its panel.
 //
-// A Qwen3-MoE sparse layer (float, A8W8 or W4A16 experts, act-order W4A16 ones with a perm per expert weight:
+// A Qwen3-MoE sparse layer (float, A8W8, W4A16 or W4A8 experts, act-order W4A16 ones with a perm per expert weight:
 // moe_parts.h gathers each routed pair's rows by its expert's perms) stays in the region too: the router GEMV (float_linear's
 // panels, one per work item), then ONE thread routes the step's logits as layers/moe.py's route() does (route.cpp:
 // softmax in fp32, topk, renormalization, the cast, torch's own bits, ties included; without ATen ops where its
@@ -75,7 +75,7 @@ enum LinSlot : int64_t { kLinQkv, kLinO, kLinGateUp, kLinDown };
 constexpr int64_t kLinDimsLen = 8;
 // A sparse (Qwen3-MoE) layer's MLP slots hold instead: kRouterPacked the router's float_pack'ed weight (E outputs),
 // kMoeTable / kMoeLut moe_experts' table and lut, kMoeDims int64 [8]: moe_experts' dims (kind, H, I, aux_gu,
-// aux_dn, bf16 weights; kind float, A8W8 or W4A16), then top_k and norm_topk_prob; kDownScale and kDownColsum are
+// aux_dn, bf16 weights; kind float, A8W8, W4A16 or W4A8), then top_k and norm_topk_prob; kDownScale and kDownColsum are
 // unused (empty tensors), and so are kGateUpPerm and kDownPerm (the experts' perms are in the table).
 // kMoeDims' dtype marks the layer (int64, where a dense layer has its int8 / int32 packed down_proj).
 enum SparseTensor : int64_t { kRouterPacked = kGateUpPacked, kMoeTable = kGateUpScale, kMoeLut = kGateUpColsum,
@@ -318,7 +318,7 @@ void float_lin_panels(const Lin& lin, const char* xu, int64_t Tn, T* y, int64_t 
 }
 
 // A sparse layer's MLP in the region: the router (float panels of 64 outputs, as float_linear), its top-k, the
-// experts (float, A8W8 or W4A16, moe_parts.h).
+// experts (float, A8W8, W4A16 or W4A8, moe_parts.h).
 struct Sparse {
   bool on = false;
   const void* router = nullptr;
@@ -336,7 +336,7 @@ bool make_sparse(const at::Tensor* w, int64_t hid, int64_t xt_bytes, Sparse& sp)
       table.scalar_type() != at::kLong)
     return false;
   const int64_t* d = dims.data_ptr<int64_t>();
-  if (d[0] < moe::kFloat || d[0] > moe::kW4A16 || table.size(1) != 2 * moe::table_stride(d[0])) return false;
+  if (d[0] < moe::kFloat || d[0] > moe::kW4A8 || table.size(1) != 2 * moe::table_stride(d[0])) return false;
   const int64_t E = table.size(0), G = parts::a8w8_group(), I = d[2];
   if (d[1] != hid || I <= 0 || E <= 0 || d[6] < 1 || d[6] > E) return false;
   if (d[0] == moe::kFloat) {   // float_pack'ed gate_up and down per expert (fp32 or bf16: dims[5]); moe_experts' checks
@@ -346,6 +346,10 @@ bool make_sparse(const at::Tensor* w, int64_t hid, int64_t xt_bytes, Sparse& sp)
   } else if (d[0] == moe::kW4A16) {   // aux: the quantization groups; moe_experts' checks
     if (d[3] <= 0 || d[4] <= 0 || hid % d[3] != 0 || I % d[4] != 0 || hid % 2 != 0 || I % 2 != 0 ||
         lut.scalar_type() != at::kFloat || !lut.is_contiguous() || lut.numel() != 2 * E)
+      return false;
+  } else if (d[0] == moe::kW4A8) {   // aux: the quantization groups; moe_experts' checks
+    if (d[3] <= 0 || d[4] <= 0 || hid % d[3] != 0 || I % d[4] != 0 || hid % 2 != 0 || I % 2 != 0 ||
+        hid / d[3] > 16384 || I / d[4] > 16384)
       return false;
   } else {
     return false;

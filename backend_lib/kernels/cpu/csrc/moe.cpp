@@ -90,16 +90,17 @@ void moe_impl(const Experts& ex, const T* x, const int64_t* ids, const T* wts, i
 // x [T, H] (float32 / bfloat16); topk_ids int64 [T, k]; topk_weights [T, k] in x's dtype; table int64 [E, cols]:
 // per expert the data pointers of its prepared weights (float: gate_up packed, down packed; A8W8: gate_up
 // (packed, scale, colsum), down (the same); W4A16: gate_up (packed, scales, zeros, perm), down (the same), perm the
-// act-order perm int64 [K] of that weight or 0 for none), held alive by the caller; lut fp32 [E, 2] (W4A16: each
-// weight's lut_zero); dims = [kind (0 float, 1 A8W8, 2 W4A16), H, I, aux_gu, aux_dn, bf16 weights]: aux = A8W8's
-// KG (packed.size(1)), W4A16's G (scales.size(1)).
+// act-order perm int64 [K] of that weight or 0 for none; W4A8: gate_up (packed, scales), down (the same)), held
+// alive by the caller; lut fp32 [E, 2] (W4A16: each weight's lut_zero); dims = [kind (0 float, 1 A8W8, 2 W4A16,
+// 3 W4A8), H, I, aux_gu, aux_dn, bf16 weights]: aux = A8W8's KG (packed.size(1)), W4A16's and W4A8's G
+// (scales.size(1)).
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& weights_in,
                        const at::Tensor& table, const at::Tensor& lut, at::IntArrayRef dims) {
   check_float_dtype(x_in, "moe_experts: x");
   TORCH_CHECK(dims.size() == 6, "moe_experts: dims = [kind, H, I, aux_gu, aux_dn, bf16]");
   const int64_t kind = dims[0], H = dims[1], I = dims[2], aux_gu = dims[3], aux_dn = dims[4];
   const bool wbf16 = dims[5] != 0;
-  TORCH_CHECK(kind >= kFloat && kind <= kW4A16, "moe_experts: unknown kind ", kind);
+  TORCH_CHECK(kind >= kFloat && kind <= kW4A8, "moe_experts: unknown kind ", kind);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == H, "moe_experts: x must be [T, ", H, "]");
   TORCH_CHECK(ids_in.dim() == 2 && ids_in.size(0) == x_in.size(0) && ids_in.scalar_type() == at::kLong,
               "moe_experts: topk_ids must be int64 [T, k]");
@@ -107,10 +108,13 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const a
               "moe_experts: topk_weights must be [T, k] in x's dtype");
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous() &&
                   table.size(1) == 2 * table_stride(kind),
-              "moe_experts: table must be contiguous int64 [E, 2 | 6 | 8] (float | A8W8 | W4A16)");
+              "moe_experts: table must be contiguous int64 [E, 2 | 6 | 8 | 4] (float | A8W8 | W4A16 | W4A8)");
   TORCH_CHECK(kind != kW4A16 || (lut.scalar_type() == at::kFloat && lut.is_contiguous() && lut.numel() == 2 * table.size(0)),
               "moe_experts: lut must be fp32 [E, 2]");
   TORCH_CHECK(kind == kA8W8 || (H % 2 == 0 && I % 2 == 0), "moe_experts: even H and I");
+  TORCH_CHECK(kind != kW4A8 || (aux_gu > 0 && aux_dn > 0 && H % aux_gu == 0 && I % aux_dn == 0 &&
+                                 H / aux_gu <= 16384 && I / aux_dn <= 16384),
+              "moe_experts: W4A8 groups ", aux_gu, " / ", aux_dn, " do not divide ", H, " / ", I);
   auto x = x_in.contiguous();
   auto ids = ids_in.contiguous();
   auto wts = weights_in.contiguous();

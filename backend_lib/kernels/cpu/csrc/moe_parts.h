@@ -4,7 +4,7 @@
 //
 // Work: pairs sorted per token by expert (stable, as torch.sort(stable=True)), then counted per expert in pair
 // order (the composed slot's stable argsort): expert e's rows are slots [start_e, start_e + n_e) (make_plan,
-// serial). Then, each split over the team with a barrier between: (1) each token's row prepared once (A8W8:
+// serial). Then, each split over the team with a barrier between: (1) each token's row prepared once (A8W8, W4A8:
 // quantized; W4A16 / AVX2 float: widened to fp32, prepare); (2) gathered into its slots (gather_slot; a group of
 // one row reads its token's row in place, direct_rows); (3) the gate_up panels of all touched experts
 // (gate_up_item); (4) SwiGLU of every slot and the down GEMM's input prepared (silu_slot); (5) the down panels
@@ -25,7 +25,8 @@
 namespace qk {
 namespace moe {
 
-enum Kind : int64_t { kFloat = 0, kA8W8 = 1, kW4A16 = 2 };
+// kW4A8: int4 codes (zero point 8) on int8 activations, w4a8_linear's arithmetic (`moe_experts_quant: int4a8`)
+enum Kind : int64_t { kFloat = 0, kA8W8 = 1, kW4A16 = 2, kW4A8 = 3 };
 constexpr int64_t kPanelRows = 64;   // float and W4A16 panels; A8W8's is parts::a8w8_panel()
 constexpr int64_t kChunk = 2;        // panels per work item (W4A16 batch 1 takes panels in pairs)
 constexpr int64_t kCombineCols = 512;
@@ -52,14 +53,17 @@ struct Offsets {
 // One expert's weight in the table: column c of the expert's row.
 struct Weight {
   const void* w;
-  const float* scale;   // A8W8 w_scale, W4A16 scales
+  const float* scale;   // A8W8 w_scale, W4A16 / W4A8 scales
   const void* aux;      // A8W8 colsum, W4A16 zeros
   float lut;            // W4A16 lut_zero
   const int64_t* perm;  // W4A16 act-order perm [K] (nullptr: none)
 };
 
-// Table columns per weight: float (packed), A8W8 (packed, w_scale, colsum), W4A16 (packed, scales, zeros, perm).
-inline int64_t table_stride(int64_t kind) { return kind == kFloat ? 1 : kind == kA8W8 ? 3 : 4; }
+// Table columns per weight: float (packed), A8W8 (packed, w_scale, colsum), W4A16 (packed, scales, zeros, perm),
+// W4A8 (packed, scales).
+inline int64_t table_stride(int64_t kind) {
+  return kind == kFloat ? 1 : kind == kA8W8 ? 3 : kind == kW4A8 ? 2 : 4;
+}
 
 // One layer's experts (moe_experts' table, lut and dims) and the layout of its GEMMs' input rows for the
 // activation type XT (sizes of XT passed as xt_bytes).
@@ -79,12 +83,13 @@ struct Experts {
     const int64_t ab = parts::a8w8_act_bytes(), ag = parts::a8w8_group();
     kp_h = kind == kA8W8 ? aux_gu * ag : H;
     kp_i = kind == kA8W8 ? aux_dn * ag : I;
-    auto row_bytes = [&](int64_t kp) -> int64_t {
+    auto row_bytes = [&](int64_t kp, int64_t groups) -> int64_t {
       if (kind == kA8W8) return kp * ab;
       if (kind == kW4A16) return kp * 4;
+      if (kind == kW4A8) return parts::w4a8_row_bytes(kp, groups);
       return kp * xt_bytes;
     };
-    rb_h = row_bytes(kp_h), rb_i = row_bytes(kp_i);
+    rb_h = row_bytes(kp_h, aux_gu), rb_i = row_bytes(kp_i, aux_dn);
     panel = kind == kA8W8 ? parts::a8w8_panel() : kPanelRows;
     np_gu = (2 * I + panel - 1) / panel, np_dn = (H + panel - 1) / panel;
     ch_gu = (np_gu + kChunk - 1) / kChunk, ch_dn = (np_dn + kChunk - 1) / kChunk;
@@ -95,10 +100,8 @@ struct Experts {
     const int64_t* row = table + e * cols + table_stride(kind) * which;
     Weight w{};
     w.w = reinterpret_cast<const void*>(row[0]);
-    if (kind != kFloat) {
-      w.scale = reinterpret_cast<const float*>(row[1]);
-      w.aux = reinterpret_cast<const void*>(row[2]);
-    }
+    if (kind != kFloat) w.scale = reinterpret_cast<const float*>(row[1]);
+    if (kind == kA8W8 || kind == kW4A16) w.aux = reinterpret_cast<const void*>(row[2]);
     if (kind == kW4A16) w.lut = lut[e * 2 + which], w.perm = reinterpret_cast<const int64_t*>(row[3]);
     return w;
   }
@@ -239,6 +242,9 @@ void gemm(const Experts& ex, int which, const Group& g, const char* rows, const 
     const float z = (M == 1 && w.lut >= 0.f && parts::w4a16_lut_row(xf, K)) ? w.lut : -1.f;
     parts::w4a16_panel_range<T>(xf, M, K, static_cast<const int32_t*>(w.w), w.scale,
                                 static_cast<const float*>(w.aux), G, p0, p1, dst, N, z);
+  } else if (ex.kind == kW4A8) {
+    parts::w4a8_panel_range<T>(rows, sc, M, K, static_cast<const int32_t*>(w.w), w.scale,
+                               which == 0 ? ex.aux_gu : ex.aux_dn, p0, p1, dst, N);
   } else if (ex.wbf16) {
     parts::float_panels<XT, c10::BFloat16, T>(reinterpret_cast<const XT*>(rows), kp,
                                               static_cast<const c10::BFloat16*>(w.w), dst, M, N, p0, p1);
@@ -259,11 +265,14 @@ inline void widen_row(const T* src, int64_t K, const int64_t* perm, float* d) {
     for (int64_t c = 0; c < K; ++c) d[c] = to_f(src[c]);
 }
 
-// A row of K values of type T -> the GEMM's input row (returns its scale for A8W8); perm: a W4A16 weight's
-// act-order perm (the row gathered into its column order, as w4a16_linear), nullptr for none.
+// A row of K values of type T -> the GEMM's input row (returns its scale for A8W8 and W4A8) of the gate_up
+// (which 0) or down (1) GEMM; perm: a W4A16 weight's act-order perm (the row gathered into its column order, as
+// w4a16_linear), nullptr for none.
 template <typename T, typename XT>
-float prepare(const Experts& ex, const T* src, int64_t K, int64_t kp, char* dst, const int64_t* perm = nullptr) {
+float prepare(const Experts& ex, const T* src, int64_t K, int64_t kp, char* dst, const int64_t* perm = nullptr,
+              int which = 0) {
   if (ex.kind == kA8W8) return parts::a8w8_quantize_row<T>(src, K, kp, dst);
+  if (ex.kind == kW4A8) return parts::w4a8_prepare_row<T>(src, K, which == 0 ? ex.aux_gu : ex.aux_dn, dst);
   if (ex.kind == kW4A16) {
     widen_row(src, K, perm, reinterpret_cast<float*>(dst));
   } else {
@@ -309,7 +318,7 @@ template <typename T, typename XT>
 void silu_slot(const Experts& ex, const Plan& p, const Bufs& b, int64_t s) {
   T* act = reinterpret_cast<T*>(b.act) + s * ex.I;
   parts::silu_mul_row<T>(reinterpret_cast<const T*>(b.gu) + s * 2 * ex.I, ex.I, act);
-  b.asc[s] = prepare<T, XT>(ex, act, ex.I, ex.kp_i, b.ain + s * ex.rb_i, ex.perm(p.exp_of[s], 1));
+  b.asc[s] = prepare<T, XT>(ex, act, ex.I, ex.kp_i, b.ain + s * ex.rb_i, ex.perm(p.exp_of[s], 1), 1);
 }
 
 // (5) down work item it of [0, ng * ch_dn)

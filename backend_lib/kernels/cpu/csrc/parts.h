@@ -40,6 +40,18 @@ template <typename T>
 void w4a16_panel_range(const float* x, int64_t M, int64_t K, const int32_t* packed, const float* scales,
                        const float* zeros, int64_t G, int64_t p0, int64_t p1, T* y, int64_t N, float lut_zero);
 
+// ---- W4A8: int4 codes (zero point 8) on int8 activations (w4a8.cpp) ----
+// Bytes of one prepared row of K features and G groups (w4a8_prepare_row): a block of its own per row.
+int64_t w4a8_row_bytes(int64_t K, int64_t G);
+// Row x [K] quantized per row as w4a8_linear does, into its block at dst (4-byte aligned); returns its scale.
+template <typename T>
+float w4a8_prepare_row(const T* x, int64_t K, int64_t G, char* dst);
+// Output panels [p0, p1) of y [M, N] (row stride N) for M prepared rows (blocks one after another at rows, scales
+// sx [M]), as w4a8_linear.
+template <typename T>
+void w4a8_panel_range(const char* rows, const float* sx, int64_t M, int64_t K, const int32_t* packed,
+                      const float* scales, int64_t G, int64_t p0, int64_t p1, T* y, int64_t N);
+
 // ---- norms, RoPE, SwiGLU (norm.cpp) ----
 template <typename T>
 void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps);

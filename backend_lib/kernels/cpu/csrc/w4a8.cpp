@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <vector>
 #include "common.h"
+#include "parts.h"
 
 namespace qk {
 namespace {
@@ -37,16 +38,31 @@ namespace {
 constexpr int64_t kPanel = 64;
 constexpr int64_t kOct = 8;
 
+// A prepared row (parts::w4a8_prepare_row), one contiguous block of w4a8_row_bytes(K, G) bytes: its dwords
+// xd [K8, 2] (per octet the bytes of its columns 0, 2, 4, 6 and of 1, 3, 5, 7), its group sums xsum [G] (int32),
+// its quantized values xq [K8 * 8] (int8, zero padded). M rows are M such blocks one after another; the row's
+// scale is kept by the caller (sx).
 struct W8Args {
-  const int8_t* xq;      // [M, K8 * 8] quantized rows (zero padded)
-  const int32_t* xd;     // [M, K8, 2] per octet the bytes of its columns 0, 2, 4, 6 and of 1, 3, 5, 7, as dwords
-  const int32_t* xsum;   // [M, G] sum of xq over each group
+  const int8_t* xq;      // row m's quantized values at xq + m * rs
+  const int32_t* xd;     // row m's dwords at xd + m * rs / 4
+  const int32_t* xsum;   // row m's group sums at xsum + m * rs / 4
   const float* sx;       // [M] row scales
   const int32_t* w;      // [NP, K8, 64]
   const float* scales;   // [NP, G, 64]
   int64_t K8, G, ogroup;  // ogroup: octets per group (the vector path), 0 where an octet straddles a group
   int64_t group;         // columns per group
+  int64_t rs;            // bytes from one row's block to the next
+  int64_t xds() const { return rs / 4; }   // the same, in dwords
 };
+
+inline int64_t row_bytes(int64_t K8, int64_t G) { return 16 * K8 + 4 * G; }
+inline W8Args rows_args(const char* rows, const float* sx, const int32_t* w, const float* scales, int64_t K,
+                        int64_t G) {
+  const int64_t K8 = (K + kOct - 1) / kOct, group = K / G;
+  return W8Args{reinterpret_cast<const int8_t*>(rows + 8 * K8 + 4 * G), reinterpret_cast<const int32_t*>(rows),
+                reinterpret_cast<const int32_t*>(rows + 8 * K8), sx, w, scales, K8, G,
+                (K % kOct == 0 && group % kOct == 0) ? group / kOct : 0, group, row_bytes(K8, G)};
+}
 
 template <typename T>
 void panel_scalar(const W8Args& a, int64_t M, int64_t p, T* y, int64_t N) {
@@ -54,7 +70,7 @@ void panel_scalar(const W8Args& a, int64_t M, int64_t p, T* y, int64_t N) {
   for (int64_t i = 0; i < kPanel && p * kPanel + i < N; ++i) {
     const float* sp = a.scales + p * a.G * kPanel + i;
     for (int64_t m = 0; m < M; ++m) {
-      const int8_t* xr = a.xq + m * a.K8 * kOct;
+      const int8_t* xr = a.xq + m * a.rs;
       float acc = 0.f;
       for (int64_t g = 0; g < a.G; ++g) {
         int32_t isum = 0;
@@ -110,8 +126,8 @@ void tile_zmm(const W8Args& a, int64_t m0, int64_t p, int c, T* y, int64_t N) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const int32_t* wp = a.w + p * a.K8 * kPanel + c * 16;
   const float* sp = a.scales + p * a.G * kPanel + c * 16;
-  const int32_t* xd = a.xd + m0 * a.K8 * 2;
-  const int64_t xstride = a.K8 * 2;
+  const int32_t* xd = a.xd + m0 * a.xds();
+  const int64_t xstride = a.xds();
   alignas(64) float facc[R][16] = {};
   for (int64_t g = 0; g < a.G; ++g) {
     __m512i acc[R];
@@ -129,7 +145,7 @@ void tile_zmm(const W8Args& a, int64_t m0, int64_t p, int c, T* y, int64_t N) {
     }
     const __m512 sc = _mm512_loadu_ps(sp + g * kPanel);
     for (int r = 0; r < R; ++r) {
-      const __m512i corr = _mm512_set1_epi32(8 * a.xsum[(m0 + r) * a.G + g]);
+      const __m512i corr = _mm512_set1_epi32(8 * a.xsum[(m0 + r) * a.xds() + g]);
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], corr)), sc);
       _mm512_store_ps(facc[r], _mm512_add_ps(_mm512_load_ps(facc[r]), t));
     }
@@ -159,7 +175,7 @@ void tile_avx2(const W8Args& a, int64_t m0, int64_t p, int c0, T* y, int64_t N) 
     for (int64_t o = g * a.ogroup; o < (g + 1) * a.ogroup; ++o) {
       for (int l = 0; l < NV * 32; l += 64)   // this tile's bytes of the octet, 16 octets (4 KiB of the panel) ahead
         _mm_prefetch(reinterpret_cast<const char*>(wp + (o + 16) * kPanel) + l, _MM_HINT_T0);
-      const int32_t* xo8 = a.xd + (m0 * a.K8 + o) * 2;
+      const int32_t* xo8 = a.xd + m0 * a.xds() + o * 2;
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + o * kPanel + v * 8));
@@ -167,7 +183,7 @@ void tile_avx2(const W8Args& a, int64_t m0, int64_t p, int c0, T* y, int64_t N) 
         const __m256i co = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);   // columns 1, 3, 5, 7
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {   // the row's two dwords broadcast from memory (a load each, no register held)
-          const __m256i xe = _mm256_set1_epi32(xo8[r * a.K8 * 2]), xo = _mm256_set1_epi32(xo8[r * a.K8 * 2 + 1]);
+          const __m256i xe = _mm256_set1_epi32(xo8[r * a.xds()]), xo = _mm256_set1_epi32(xo8[r * a.xds() + 1]);
 #if QK_W4A8_VNNI
           acc[r][v] = qk_dpbusd(qk_dpbusd(acc[r][v], ce, xe), co, xo);
 #else
@@ -178,7 +194,7 @@ void tile_avx2(const W8Args& a, int64_t m0, int64_t p, int c0, T* y, int64_t N) 
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256i corr = _mm256_set1_epi32(8 * a.xsum[(m0 + r) * a.G + g]);
+      const __m256i corr = _mm256_set1_epi32(8 * a.xsum[(m0 + r) * a.xds() + g]);
       for (int v = 0; v < NV; ++v) {
         const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][v], corr)),
                                        _mm256_loadu_ps(sp + g * kPanel + v * 8));
@@ -256,6 +272,29 @@ float quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* q) {
   return scale;
 }
 
+// Row x [K] into its prepared block (W8Args: the dwords, the group sums, the quantized values) at dst; returns the
+// row's scale.
+template <typename T>
+float prepare_row(const T* x, int64_t K, int64_t G, char* dst) {
+  const int64_t K8 = (K + kOct - 1) / kOct, group = K / G;
+  auto* xd = reinterpret_cast<int32_t*>(dst);
+  auto* xsum = reinterpret_cast<int32_t*>(dst + 8 * K8);
+  auto* q = reinterpret_cast<int8_t*>(dst + 8 * K8 + 4 * G);
+  const float sx = quantize_row(x, K, K8 * kOct, q);
+  for (int64_t o = 0; o < K8; ++o)
+    for (int h = 0; h < 2; ++h) {
+      uint32_t d = 0;
+      for (int j = 0; j < 4; ++j) d |= static_cast<uint32_t>(static_cast<uint8_t>(q[o * kOct + 2 * j + h])) << (8 * j);
+      xd[o * 2 + h] = static_cast<int32_t>(d);
+    }
+  for (int64_t g = 0; g < G; ++g) {
+    int32_t s = 0;
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) s += q[k];
+    xsum[g] = s;
+  }
+  return sx;
+}
+
 }  // namespace
 
 // x [..., K] float -> y [..., N] in x's dtype; packed / scales from w4a16_pack and the CPU set's blocked scales.
@@ -272,42 +311,52 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "w4a8_linear: packed / scale shapes do not match ", N, " outputs");
   TORCH_CHECK(K8 == (K + kOct - 1) / kOct, "w4a8_linear: x has ", K, " features, the weight ", K8 * kOct);
   TORCH_CHECK(G > 0 && K % G == 0 && K / G <= 16384, "w4a8_linear: ", G, " groups of ", K, " features");
-  const int64_t group = K / G;
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y.reshape(out_shape);
-  std::vector<int8_t> xq(M * K8 * kOct);
-  std::vector<int32_t> xd(M * K8 * 2);
-  std::vector<int32_t> xsum(M * G);
+  const int64_t rb = row_bytes(K8, G);
+  std::vector<int32_t> rows(M * rb / 4);   // the prepared rows (int32 words: aligned for the dwords)
   std::vector<float> sx(M);
+  char* rp = reinterpret_cast<char*>(rows.data());
   QK_DISPATCH_FLOAT(x.scalar_type(), "w4a8_linear", [&] {
     const scalar_t* xp = x2.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < M; ++m) {
-      int8_t* q = xq.data() + m * K8 * kOct;
-      sx[m] = quantize_row(xp + m * K, K, K8 * kOct, q);
-      for (int64_t o = 0; o < K8; ++o)
-        for (int h = 0; h < 2; ++h) {
-          uint32_t d = 0;
-          for (int j = 0; j < 4; ++j) d |= static_cast<uint32_t>(static_cast<uint8_t>(q[o * kOct + 2 * j + h])) << (8 * j);
-          xd[(m * K8 + o) * 2 + h] = static_cast<int32_t>(d);
-        }
-      for (int64_t g = 0; g < G; ++g) {
-        int32_t s = 0;
-        for (int64_t k = g * group; k < (g + 1) * group; ++k) s += q[k];
-        xsum[m * G + g] = s;
-      }
-    }
-    const W8Args a{xq.data(), xd.data(), xsum.data(), sx.data(), packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                   K8, G, (K % kOct == 0 && group % kOct == 0) ? group / kOct : 0, group};
+    for (int64_t m = 0; m < M; ++m) sx[m] = prepare_row(xp + m * K, K, G, rp + m * rb);
+    const W8Args a = rows_args(rp, sx.data(), packed.data_ptr<int32_t>(), scales.data_ptr<float>(), K, G);
     scalar_t* yp = y.data_ptr<scalar_t>();
     parallel_chunks(NP, 2, [&](int64_t p0, int64_t p1) { w4a8_panels(a, M, p0, p1, yp, N); });
   });
   return y.reshape(out_shape);
 }
 
+namespace parts {
+
+// The MoE op's and the decode region's entry to the same code (the op above calls the pieces directly: a test
+// builds this file alone with another instruction set, and its op must not reach these exported symbols).
+int64_t w4a8_row_bytes(int64_t K, int64_t G) { return row_bytes((K + kOct - 1) / kOct, G); }
+
+template <typename T>
+float w4a8_prepare_row(const T* x, int64_t K, int64_t G, char* dst) {
+  return prepare_row(x, K, G, dst);
+}
+
+template <typename T>
+void w4a8_panel_range(const char* rows, const float* sx, int64_t M, int64_t K, const int32_t* packed,
+                      const float* scales, int64_t G, int64_t p0, int64_t p1, T* y, int64_t N) {
+  w4a8_panels(rows_args(rows, sx, packed, scales, K, G), M, p0, p1, y, N);
+}
+
+#define QK_W4A8_PARTS(T)                                                                                       \
+  template float w4a8_prepare_row<T>(const T*, int64_t, int64_t, char*);                                       \
+  template void w4a8_panel_range<T>(const char*, const float*, int64_t, int64_t, const int32_t*, const float*, \
+                                    int64_t, int64_t, int64_t, T*, int64_t);
+QK_W4A8_PARTS(float)
+QK_W4A8_PARTS(c10::BFloat16)
+#undef QK_W4A8_PARTS
+
+}  // namespace parts
 }  // namespace qk
 
 // The operator namespace: qwen3_cpu in the kernel set; a test builds this file alone under another name with a
