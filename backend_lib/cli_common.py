@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .config import GREEDY_HEADS, LM_HEAD_QUANTS, MOE_EXPERTS_QUANTS, EngineConfig
+from .config import GREEDY_HEADS, LM_HEAD_QUANTS, EngineConfig
+from .layers.moe import MOE_EXPERTS_QUANTS
 from .kernels import KERNEL_BACKENDS
 from .kv_cache import KV_CACHE_KINDS
 

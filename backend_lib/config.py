@@ -6,13 +6,11 @@ from dataclasses import dataclass, field, fields
 
 from .kernels import KERNEL_BACKENDS
 from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
+from .layers.moe import MOE_EXPERTS_QUANTS, MOE_INT4A8_KERNELS
 from .contract.fields import SamplingLimits
 
 
 LM_HEAD_QUANTS = ("checkpoint", "int8", "int4", "int4a8")
-MOE_EXPERTS_QUANTS = ("checkpoint", "int4a8")
-# the kernel sets whose MoE slot takes int4a8 experts (the CPU set's native op; the reference's composed slot)
-MOE_INT4A8_KERNELS = ("cpu", "reference")
 GREEDY_HEADS = ("auto", "int8", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 

@@ -18,7 +18,7 @@ from ..kernels import Kernels
 from ..layers.attention import Qwen3Attention
 from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear, W4A16Linear, load_linear, make_head
 from ..layers.mlp import Qwen3MLP
-from ..layers.moe import Qwen3SparseMoe, load_sparse_moe
+from ..layers.moe import MOE_INT4A8_KERNELS, Qwen3SparseMoe, load_sparse_moe
 from .qwen3_layer_loop import LayerLoop
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,6 @@ class Qwen3ForCausalLM(nn.Module):
         checkpoint's head with an int8 screen of its greedy rows (layers/greedy_head.py). moe_experts_quant:
         'checkpoint' or 'int4a8' (a Qwen3-MoE's routed experts as int4 codes on int8 activations, layers/moe.py)."""
         if moe_experts_quant != "checkpoint":
-            from ..config import MOE_INT4A8_KERNELS
-
             if cfg.moe is None:
                 raise ValueError(f"moe_experts_quant: {moe_experts_quant} applies to Qwen3-MoE checkpoints; this one "
                                  "is a dense Qwen3 (use checkpoint)")
