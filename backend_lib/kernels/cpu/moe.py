@@ -38,7 +38,9 @@ def _weight(module, kind, n, k):
         return [packed.data_ptr(), scale.data_ptr(), colsum.data_ptr()], p, packed.size(1), -1.0, None
     if kind == W4A8:   # `moe_experts_quant: int4a8` (kernels/cpu/__init__.py _w4a8_prepare's form)
         packed, scales, n_out = p
-        if n_out != n or packed.dim() != 3 or packed.size(1) * 8 < k or k % scales.size(1):
+        panels = -(-n // 64)   # the op reads these shapes through raw pointers: w4a8_linear's checks
+        if (n_out != n or packed.dim() != 3 or tuple(packed.shape) != (panels, -(-k // 8), 64) or scales.dim() != 3
+                or scales.shape[0] != panels or scales.shape[2] != 64 or k % scales.size(1)):
             return None
         return [packed.data_ptr(), scales.data_ptr()], (packed, scales), scales.size(1), -1.0, None
     packed, scales, zeros, perm, n_out, lut_zero = p
