@@ -109,9 +109,14 @@ def _load_int4(store: WeightStore, names, out_features, in_features, scheme, dev
                for a, b in zip(perms, perms[1:]))
     if not same:
         return ConcatLinear([W4A16Linear(_to(p, device), kernels) for p in parts])
-    fused = Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                       torch.cat([p.zeros for p in parts]), parts[0].group_size, perms[0])
-    return W4A16Linear(_to(fused, device), kernels)
+    return W4A16Linear(_to(_fused(parts), device), kernels)
+
+
+def _fused(parts: list[Int4Weight]) -> Int4Weight:
+    """One Int4Weight of several read with the same arguments (the same group size) and the same perm, stacked
+    along the output dimension."""
+    return Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                      torch.cat([p.zeros for p in parts]), parts[0].group_size, parts[0].perm)
 
 
 def _to(w: Int4Weight, device) -> Int4Weight:
@@ -179,11 +184,7 @@ def load_int4a8(store: WeightStore, names: list[str], out_features: list[int], i
             if not bool((p.zeros == 8).all()):
                 raise ValueError(f"moe_experts_quant: int4a8 takes symmetric int4 codes (zero point 8); '{name}' has "
                                  "zero points of its own")
-        if len({p.group_size for p in parts}) != 1:
-            raise CheckpointError(f"modules {names}: int4 group sizes differ, they cannot be fused")
-        fused = Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                           torch.cat([p.zeros for p in parts]), parts[0].group_size, None)
-        return W4A8Linear(_to(fused, device), kernels)
+        return W4A8Linear(_to(_fused(parts), device), kernels)
     weights = [store.get(f"{name}.weight", (n_out, in_features), FLOAT_DTYPES)
                for name, n_out in zip(names, out_features)]
     return int4a8_linear(torch.cat(weights, 0), device, kernels)
