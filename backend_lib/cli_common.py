@@ -9,6 +9,7 @@ import argparse
 import logging
 
 from .config import GREEDY_HEADS, LM_HEAD_QUANTS, EngineConfig
+from .layers.linear import INT4_ACTIVATIONS
 from .layers.moe import MOE_EXPERTS_QUANTS
 from .kernels import KERNEL_BACKENDS
 from .kv_cache import KV_CACHE_KINDS
@@ -28,6 +29,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kernels", choices=list(KERNEL_BACKENDS), help=f"default {d.kernels}")
     ap.add_argument("--lm-head-quant", choices=list(LM_HEAD_QUANTS), help=f"default {d.lm_head_quant}")
     ap.add_argument("--moe-experts-quant", choices=list(MOE_EXPERTS_QUANTS), help=f"default {d.moe_experts_quant}")
+    ap.add_argument("--int4-activations", choices=list(INT4_ACTIVATIONS), help=f"default {d.int4_activations}")
     ap.add_argument("--greedy-head", choices=list(GREEDY_HEADS), help=f"default {d.greedy_head}")
     ap.add_argument("-v", "--verbose", action="store_true", help="log loading progress to stderr")
 
@@ -38,7 +40,8 @@ def engine_config(args, **overrides) -> EngineConfig:
     fields = dict(checkpoint=args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, kv_cache=args.kv_cache,
                   page_size=args.page_size, device=args.device, max_model_len=args.max_model_len,
                   kv_cache_memory=args.kv_cache_memory, kernels=args.kernels, lm_head_quant=args.lm_head_quant,
-                  greedy_head=args.greedy_head, moe_experts_quant=args.moe_experts_quant)
+                  greedy_head=args.greedy_head, moe_experts_quant=args.moe_experts_quant,
+                  int4_activations=args.int4_activations)
     fields.update(overrides)
     return EngineConfig(**{k: v for k, v in fields.items() if v is not None}).resolve_locations()
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from .kernels import KERNEL_BACKENDS
 from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
+from .layers.linear import INT4_ACTIVATIONS, INT4A8_KERNELS
 from .layers.moe import MOE_EXPERTS_QUANTS, MOE_INT4A8_KERNELS
 from .contract.fields import SamplingLimits
 
@@ -43,6 +44,10 @@ class EngineConfig:
     # activations: an int4 checkpoint's own symmetric codes, float experts quantized at load, group 128; the
     # head's int4a8 arithmetic, kernels/reference/w4a8.py; the cpu and reference kernel sets)
     moe_experts_quant: str = "checkpoint"
+    # an int4 checkpoint's attention projections and dense MLPs: checkpoint (W4A16: float activations) | int8 (their
+    # own symmetric codes on per-token int8 activations, moe_experts_quant int4a8's arithmetic; the cpu and reference
+    # kernel sets)
+    int4_activations: str = "checkpoint"
     # plain-greedy rows picked through an int8 screen of the checkpoint's float head, the same tokens (half the
     # head's bytes a step: layers/greedy_head.py) | off; auto: int8 on the CPU set with lm_head_quant checkpoint
     greedy_head: str = "auto"
@@ -157,6 +162,14 @@ class EngineConfig:
         if self.moe_experts_quant != "checkpoint" and self.kernels not in ("auto",) + MOE_INT4A8_KERNELS:
             raise ValueError(f"moe_experts_quant: {self.moe_experts_quant} runs on the "
                              f"{' and '.join(MOE_INT4A8_KERNELS)} kernel sets, not {self.kernels!r}")
+        if self.int4_activations not in INT4_ACTIVATIONS:
+            raise ValueError(f"int4_activations: {self.int4_activations!r} is not one of {', '.join(INT4_ACTIVATIONS)}")
+        if self.int4_activations != "checkpoint" and self.tensor_parallel_size > 1:
+            raise ValueError(f"int4_activations: {self.int4_activations} is not supported with tensor_parallel_size > 1"
+                             " (the ranks load the checkpoint's W4A16 shards); use checkpoint")
+        if self.int4_activations != "checkpoint" and self.kernels not in ("auto",) + INT4A8_KERNELS:
+            raise ValueError(f"int4_activations: {self.int4_activations} runs on the {' and '.join(INT4A8_KERNELS)} "
+                             f"kernel sets, not {self.kernels!r}")
         if self.greedy_head not in GREEDY_HEADS:
             raise ValueError(f"greedy_head: {self.greedy_head!r} is not one of {', '.join(GREEDY_HEADS)}")
         if self.greedy_head == "int8" and self.lm_head_quant != "checkpoint":

@@ -2,7 +2,8 @@
 
     python -m bench.ab_builds --a /path/to/other/checkout [--b .] [--blocks 16] [--steps 16]
                               [--configs 2x1,1x1,2x16] [--context 128] [--a-env K=V,...] [--b-env K=V,...]
-                              [--checkpoint DIR] [--lm-head-quant int4a8]
+                              [--checkpoint DIR] [--lm-head-quant int4a8] [--config K=V,...] [--a-config K=V,...]
+                              [--b-config K=V,...]
 
 Each side is its own process (PYTHONPATH = its checkout, so each loads its own compiled kernels: the build cache is
 keyed by the sources), loaded once with the same checkpoint. Per config (threads x batch), both start the same
@@ -26,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def worker(checkpoint: str, lm_head_quant: str = "checkpoint") -> None:
+def worker(checkpoint: str, lm_head_quant: str = "checkpoint", extra: dict | None = None) -> None:
     """JSON lines on stdin: {"start": batch, "context": c, "threads": t} (prefill a batch, kept running),
     {"steps": n} (n decode steps; answers their times in ms), {"stop": 1}, {"stream": threads} (GB/s)."""
     import torch
@@ -38,7 +39,7 @@ def worker(checkpoint: str, lm_head_quant: str = "checkpoint") -> None:
     from bench.workers.common import prompts
 
     eng = LLMEngine(EngineConfig(checkpoint=checkpoint, kv_cache_memory="1GiB", max_model_len=4096, max_num_seqs=16,
-                                 enable_prefix_caching=False, lm_head_quant=lm_head_quant))
+                                 enable_prefix_caching=False, lm_head_quant=lm_head_quant, **(extra or {})))
     mb = decode_weight_mb(eng.runner.model)
     # KV bytes a position holds over all layers: step_profile.kv_bytes_per_token's formula, restated because the worker
     # imports the measured checkout's bench package, which may predate it
@@ -90,6 +91,11 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=str(ROOT / "demo_checkpoints" / "qwen3-0.6b-a8w8"))
     ap.add_argument("--lm-head-quant", default="checkpoint", help="both sides' EngineConfig.lm_head_quant "
                     "(checkpoint, int8, int4, int4a8)")
+    ap.add_argument("--config", default="", help="both sides' other EngineConfig fields: K=V,K=V (strings, e.g. "
+                    "moe_experts_quant=int4a8)")
+    ap.add_argument("--a-config", default="", help="side A's EngineConfig fields besides (K=V,K=V): an A/B of a "
+                    "setting within one checkout")
+    ap.add_argument("--b-config", default="")
     ap.add_argument("--configs", default="2x1,1x1,2x16", help="threads x batch, comma separated")
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--steps", type=int, default=16)
@@ -97,16 +103,17 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.checkpoint, args.lm_head_quant)
+        worker(args.checkpoint, args.lm_head_quant, dict(kv.split("=", 1) for kv in args.config.split(",") if kv))
         return
     sides = {}
-    for name, root, extra in (("A", args.a, args.a_env), ("B", args.b, args.b_env)):
+    for name, root, extra, cfg in (("A", args.a, args.a_env, args.a_config), ("B", args.b, args.b_env, args.b_config)):
         env = dict(os.environ, PYTHONPATH=str(Path(root).resolve()))
         env.update(kv.split("=", 1) for kv in extra.split(",") if kv)
         # this file as the worker, whichever checkout it measures (the other may not have it): backend_lib and
         # bench.step_profile / bench.workers come from that checkout's PYTHONPATH
         sides[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--a", "-", "--worker",
-                                        "--checkpoint", args.checkpoint, "--lm-head-quant", args.lm_head_quant],
+                                        "--checkpoint", args.checkpoint, "--lm-head-quant", args.lm_head_quant,
+                                        "--config", ",".join(c for c in (args.config, cfg) if c)],
                                        cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                        bufsize=1)
 

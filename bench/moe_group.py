@@ -13,9 +13,10 @@ releases do; llama.cpp's Q8_0 / Q4_0 quantize theirs to Q8_0 / Q6_K, so the engi
 int8 for A8W8 (`--lm-head-quant int8`, the bytes of Q8_0's), int4 codes on int8 activations for W4A16
 (`--lm-head-quant int4a8`, group 128: the bytes and the kind of arithmetic of a Q4_0 head, which llama.cpp's
 `q4_0-q4head` file has; its default Q4_0 file's Q6_K head reads 1.46x those). The W4A16 checkpoint runs twice: with
-its experts as stored (`W4A16`: the fp32 FMA a weight of the W4A16 contract) and with `--moe-experts-quant int4a8`
-(`W4A16 int4a8`: the same codes on int8 activations, llama.cpp's Q4_0 x Q8_0 in kind, its scales in fp32 without the
-zeros). Only the ratios of one run mean anything on a shared host.
+its experts and attention as stored (`W4A16`: the fp32 FMA a weight of the W4A16 contract) and with
+`--moe-experts-quant int4a8 --int4-activations int8` (`W4A16 int4a8`: the same codes on int8 activations in the
+experts and the attention projections, llama.cpp's Q4_0 x Q8_0 in kind, its scales in fp32 without the zeros).
+Only the ratios of one run mean anything on a shared host.
 """
 from __future__ import annotations
 
@@ -34,12 +35,12 @@ from .run import ROOT, Worker, decode_rate, log
 from .step_profile import stream_read_gbs
 
 SIZE = "30b-a3b"
-# engine label, checkpoint, the engine's lm_head_quant, its moe_experts_quant, llama.cpp quants (the first: the one
-# llama-quantize makes by default; q4_0-q4head: Q4_0 with its head in Q4_0, the bytes of the engine's int4 head,
-# llama.cpp's side of a bytes-matched comparison)
-PAIRS = (("A8W8", "a8w8", "int8", "checkpoint", ("q8_0",)),
-         ("W4A16", "w4a16", "int4a8", "checkpoint", ("q4_0", "q4_0-q4head")),
-         ("W4A16 int4a8", "w4a16", "int4a8", "int4a8", ("q4_0", "q4_0-q4head")))
+# engine label, checkpoint, the engine's lm_head_quant, its moe_experts_quant, its int4_activations, llama.cpp quants
+# (the first: the one llama-quantize makes by default; q4_0-q4head: Q4_0 with its head in Q4_0, the bytes of the
+# engine's int4 head, llama.cpp's side of a bytes-matched comparison)
+PAIRS = (("A8W8", "a8w8", "int8", "checkpoint", "checkpoint", ("q8_0",)),
+         ("W4A16", "w4a16", "int4a8", "checkpoint", "checkpoint", ("q4_0", "q4_0-q4head")),
+         ("W4A16 int4a8", "w4a16", "int4a8", "int4a8", "int8", ("q4_0", "q4_0-q4head")))
 QUANTS = tuple(q for *_, qs in PAIRS for q in qs)
 
 
@@ -76,15 +77,17 @@ def _w_bytes(fmt: str, n: int, k: int, group: int = 128) -> int:
 
 
 def bytes_per_token(cfg: dict, fmt: str, context: int, head: str = "int8", group: int = 128,
-                    experts_quant: str = "checkpoint") -> dict[str, int]:
+                    experts_quant: str = "checkpoint", int4_activations: str = "checkpoint") -> dict[str, int]:
     """What one batch-1 decode token reads, by part, at `context` tokens in the KV cache (bf16); head: the
     engine's lm_head_quant (int8, int4 / int4a8 in groups of 128, or checkpoint: bf16); experts_quant: its
-    moe_experts_quant (int4a8: the codes and fp32 scales, no zeros)."""
+    moe_experts_quant (int4a8: the codes and fp32 scales, no zeros); int4_activations: its int4_activations (int8:
+    the int4 attention projections' codes and fp32 scales, no zeros)."""
     h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     nh, kvh, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     inter, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     e = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
-    attn = _w_bytes(fmt, (nh + 2 * kvh) * d, h, group) + _w_bytes(fmt, h, nh * d, group) + 2 * (2 * h + 2 * d)
+    afmt = "w4a8" if fmt == "w4a16" and int4_activations == "int8" else fmt
+    attn = _w_bytes(afmt, (nh + 2 * kvh) * d, h, group) + _w_bytes(afmt, h, nh * d, group) + 2 * (2 * h + 2 * d)
     kv = context * kvh * d * 2 * 2
     router = 2 * e * h
     efmt = "w4a8" if experts_quant == "int4a8" else fmt
@@ -148,10 +151,11 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
     engine = [sys.executable, "-m", "bench.workers.engine_worker", "--max-model-len", max_len, "--max-num-seqs",
               str(max(batches)), "--kv-cache-memory", "1GiB"]
     systems: dict = {}
-    for label, fmt, head, experts_quant, quants in PAIRS:
+    for label, fmt, head, experts_quant, int4_act, quants in PAIRS:
         tag = fmt if experts_quant == "checkpoint" else f"{fmt}-{experts_quant}"
         systems[f"engine {label}"] = Worker(f"moe-engine-{tag}", engine + [
-            "--checkpoint", str(ck[fmt]), "--lm-head-quant", head, "--moe-experts-quant", experts_quant], out_dir)
+            "--checkpoint", str(ck[fmt]), "--lm-head-quant", head, "--moe-experts-quant", experts_quant,
+            "--int4-activations", int4_act], out_dir)
         for quant in quants if ggufs is not None else ():
             if f"llama.cpp {quant.upper()}" not in systems:   # one per file, shared by the engines of its format
                 systems[f"llama.cpp {quant.upper()}"] = llamacpp.LlamaCppSystem(ggufs[quant], threads,
@@ -186,13 +190,13 @@ def run_group(layers: int, rounds: int, batches: list[int], prompt_len: int, new
     for (name, b), v in med.items():
         rows.append({"group": "moe", "system": name, "mode": "decode", "batch": b, "prompt_len": prompt_len,
                      "new_tokens": new_tokens, "layers": layers, "decode_tokens_per_s": v, "runs": decode[(name, b)]})
-    for label, fmt, head, experts_quant, quants in PAIRS:
+    for label, fmt, head, experts_quant, int4_act, quants in PAIRS:
         nb = bytes_per_token(cfg, fmt, prompt_len + new_tokens // 2, head=head, group=group,
-                             experts_quant=experts_quant)
+                             experts_quant=experts_quant, int4_activations=int4_act)
         floor = gbs * 1e9 / nb["total"]
         eng = f"engine {label}"
         summary = {"group": "moe", "system": eng, "mode": "summary", "format": fmt, "lm_head_quant": head,
-                   "moe_experts_quant": experts_quant,
+                   "moe_experts_quant": experts_quant, "int4_activations": int4_act,
                    "layers": layers, "quants": quants,
                    "stream_gbs": gbs, "stream_gbs_rounds": stream, "bytes_per_token": nb, "floor_tokens_per_s": floor,
                    "rss_mib": mem.get(eng, {}).get("rss_mib")}

@@ -36,13 +36,24 @@ LINEAR_OPS = ("a8w8_linear", "float_linear", "w4a16_linear", "w4a8_linear")
 def decode_weight_mb(model) -> float:
     """MB of weights a plain-greedy batch-1 decode step reads: every linear's prepared weight, except that a
     screened greedy head (layers/greedy_head.py) reads its int8 screen (a module of its own, counted) and only its
-    candidates' rows of the float weight (not counted: a few hundred KB)."""
+    candidates' rows of the float weight (not counted: a few hundred KB), and a Qwen3-MoE layer only its top-k
+    experts' weights (of its router's E)."""
     import torch
 
     from backend_lib.layers.greedy_head import ScreenedHead
+    from backend_lib.layers.moe import Qwen3SparseMoe
 
-    return sum(t.numel() * t.element_size() for m in model.modules() if not isinstance(m, ScreenedHead)
-               for t in (getattr(m, "prepared", None) or ()) if isinstance(t, torch.Tensor)) / 1e6
+    def nbytes(m) -> int:
+        return sum(t.numel() * t.element_size() for t in (getattr(m, "prepared", None) or ())
+                   if isinstance(t, torch.Tensor))
+
+    total = sum(nbytes(m) for m in model.modules() if not isinstance(m, ScreenedHead))
+    for layer in getattr(model, "layers", ()):
+        if type(layer.mlp) is Qwen3SparseMoe:
+            pairs = [p for p in layer.mlp.expert_pairs if p is not None]
+            total -= sum(nbytes(m) for p in pairs for m in p)
+            total += layer.mlp.top_k * sum(nbytes(m) for m in pairs[0])
+    return total / 1e6
 
 
 def stream_read_gbs(threads: int, gib: float = 1.0, repeats: int = 5, huge: bool = True) -> float:
@@ -480,6 +491,9 @@ def main() -> None:
                     "int4a8 (EngineConfig.lm_head_quant: the heads the MoE group's engines run)")
     ap.add_argument("--moe-experts-quant", default="checkpoint", help="checkpoint (a MoE's experts as stored) or "
                     "int4a8 (EngineConfig.moe_experts_quant: int4 codes on int8 activations)")
+    ap.add_argument("--int4-activations", default="checkpoint", help="checkpoint (an int4 checkpoint's attention and "
+                    "dense MLP on the W4A16 kernel) or int8 (EngineConfig.int4_activations: their codes on int8 "
+                    "activations)")
     ap.add_argument("--greedy-head", default="auto", help="auto / int8 / off (EngineConfig.greedy_head: the int8 screen "
                     "of a float head's greedy rows; auto: on with the checkpoint's head on the CPU set)")
     args = ap.parse_args()
@@ -491,7 +505,7 @@ def main() -> None:
     eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache_memory="256MiB" if args.batch == 1 else "1GiB",
                                  max_model_len=1100, max_num_seqs=args.batch, enable_prefix_caching=False,
                                  lm_head_quant=args.lm_head_quant, greedy_head=args.greedy_head,
-                                 moe_experts_quant=args.moe_experts_quant))
+                                 moe_experts_quant=args.moe_experts_quant, int4_activations=args.int4_activations))
     if args.ab_steps:
         res = []
         for t in [int(t) for t in args.threads.split(",")]:

@@ -186,6 +186,10 @@ def test_moe_group_bytes_floor_gguf_names_and_report(tmp_path):
     w4a8 = bytes_per_token(cfg, "w4a16", context=100, head="int4a8", experts_quant="int4a8")
     assert w4a8["experts"] == 4 * 8 * (1536 * 1024 + 1536 * 16 * 4 + 2048 * 384 + 2048 * 6 * 4)
     assert w4a8["attention"] == w4["attention"] and w4a8["total"] == sum(v for k, v in w4a8.items() if k != "total")
+    # int4_activations int8: the attention projections' codes and fp32 scales too (no zeros)
+    act8 = bytes_per_token(cfg, "w4a16", context=100, head="int4a8", experts_quant="int4a8", int4_activations="int8")
+    assert act8["attention"] == 4 * (5120 * 1024 + 5120 * 16 * 4 + 2048 * 2048 + 2048 * 32 * 4 + 2 * (2 * 2048 + 2 * 128))
+    assert act8["experts"] == w4a8["experts"] and act8["head"] == w4a8["head"]
 
     moe = tmp_path / "qwen3-30b-a3b-l4-bf16"
     moe.mkdir()

@@ -461,6 +461,37 @@ def test_int4a8_experts_decode_steps_run_in_one_region_with_the_python_loops_bit
         _assert_loop_ids_equal_the_python_loop(eng, _prompts(eng, 8), steps=16, solo=2)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("which,dtype", [("sym", "bfloat16"), ("sym", "float32"), ("moe", "bfloat16")])
+def test_int8_activation_linears_decode_steps_run_in_one_region_with_the_python_loops_bits(ckpts, which, dtype,
+                                                                                          batch, threads):
+    """`int4_activations: int8` (the W4A16 checkpoint's attention projections and dense MLPs as W4A8Linear: its
+    codes on int8 activations; on the MoE with `moe_experts_quant: int4a8` too) in the one region: each input row
+    prepared as w4a8_linear prepares it, the panels w4a8_linear's; every step's hidden states, logits and KV caches
+    bit-identical to the Python loop, batch 1 and 5, 1 and 2 threads; and greedy ids with the loop on and off,
+    batched and alone."""
+    if dtype == "float32" and (batch, threads) != (5, 2):
+        pytest.skip("covered by the other cases")
+    extra = {"moe_experts_quant": "int4a8"} if which == "moe" else {}
+    eng = make_engine(_w4a16(ckpts, which), dtype=dtype, max_num_seqs=8, kv_cache_memory="4MiB", max_model_len=256,
+                      int4_activations="int8", **extra)
+    model = eng.runner.model
+    lins = [lin for layer in model.layers for lin in model.layer_loop._linears(layer)]
+    assert lins and all(type(lin).__name__ == "W4A8Linear" for lin in lins)
+    assert model.layer_loop.applies(eng.runner.kv_cache)
+    twin, prof, _ = _generate_profiled(eng, batch, threads)
+    assert prof[:, _phase("qkv")].sum().item() > 0 and prof[:, _phase("o")].sum().item() > 0
+    if which == "moe":
+        assert prof[:, _phase("expGateUp")].sum().item() > 0
+    else:
+        assert prof[:, _phase("gateUp")].sum().item() > 0 and prof[:, _phase("down")].sum().item() > 0
+    if (batch, threads) == (5, 2):   # through the engine (a fresh one: the twin stays on this one's forward)
+        eng = make_engine(_w4a16(ckpts, which), dtype=dtype, max_num_seqs=8, kv_cache_memory="8MiB",
+                          max_model_len=256, int4_activations="int8", **extra)
+        _assert_loop_ids_equal_the_python_loop(eng, _prompts(eng, 8), steps=16, solo=2)
+
+
 @pytest.mark.parametrize("which", ["sym", "moe", "descact", "moe-descact"])
 def test_w4a16_greedy_ids_equal_the_python_loop_and_do_not_depend_on_the_batch(ckpts, which):
     """Through the engine: the same greedy ids with the layer loop on and off, and batched as alone."""

@@ -48,7 +48,8 @@ class ModelRunner:
         else:
             self.model = Qwen3ForCausalLM.from_checkpoint(WeightStore(cfg.checkpoint), model_config, scheme, dtype,
                                                           device, kernels, max_model_len, cfg.lm_head_quant,
-                                                          greedy_head_of(cfg, kernels), cfg.moe_experts_quant)
+                                                          greedy_head_of(cfg, kernels), cfg.moe_experts_quant,
+                                                          cfg.int4_activations)
             # CUDA: the widest prefill and decode run first, then the pool is sized from what is free (warmup.py)
             memory = memory if memory is not None else (CudaMemory(device) if device.type == "cuda" else None)
             nbytes = None

@@ -18,6 +18,12 @@ from ..kernels import Kernels
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# EngineConfig.int4_activations: an int4 checkpoint's linears on the W4A16 kernel's float activations as the
+# checkpoint's scheme says, or on per-token int8 ones (load_linear); the kernel sets with a w4a8 path of their own
+# or the reference's (kernels/reference/w4a8.py), and whose decode region takes it (the CPU set's)
+INT4_ACTIVATIONS = ("checkpoint", "int8")
+INT4A8_KERNELS = ("cpu", "reference")
+
 class FloatLinear(nn.Module):
     """Holds the weight only in the kernel set's own form (packed tiles on the CPU)."""
 
@@ -163,27 +169,29 @@ def int4_head_weight(weight: torch.Tensor, rows_per_chunk: int = 8192) -> Int4We
 
 
 def load_int4a8(store: WeightStore, names: list[str], out_features: list[int], in_features: int,
-                scheme: QuantScheme | None, device: torch.device, kernels: Kernels) -> W4A8Linear:
-    """The Linear modules `names` fused as load_linear fuses them, as int4 codes on int8 activations
-    (`moe_experts_quant: int4a8`): an int4 checkpoint's own codes and scales (W4A16 / GPTQ / AWQ, symmetric: zero
-    point 8, in column order: no act-order perm), or a float weight quantized by int4_head_weight's rule (group
-    128). Errors name the field and the tensor; an int8 (W8A8) checkpoint's experts are refused: int4 codes from
-    int8 ones would round twice (its experts run A8W8 as stored)."""
+                scheme: QuantScheme | None, device: torch.device, kernels: Kernels,
+                field: str = "moe_experts_quant: int4a8") -> W4A8Linear:
+    """The Linear modules `names` fused as load_linear fuses them, as int4 codes on int8 activations (the setting
+    `field`: `moe_experts_quant: int4a8` or `int4_activations: int8`): an int4 checkpoint's own codes and scales
+    (W4A16 / GPTQ / AWQ, symmetric: zero point 8, in column order: no act-order perm), or a float weight quantized
+    by int4_head_weight's rule (group 128). Errors name the field and the tensor; an int8 (W8A8) checkpoint's
+    weights are refused: int4 codes from int8 ones would round twice (they run A8W8 as stored)."""
     quantized = [scheme is not None and scheme.is_quantized(n) for n in names]
     if any(quantized) != all(quantized):
         raise CheckpointError(f"modules {names} must all be quantized or all unquantized to be fused")
+    key = field.split(":")[0]
     if quantized[0] and scheme.kind != "w4a16":
-        raise ValueError(f"moe_experts_quant: int4a8 takes int4 (W4A16, GPTQ, AWQ) or float experts; '{names[0]}' "
-                         f"is {scheme.kind} (set moe_experts_quant: checkpoint)")
+        raise ValueError(f"{field} takes int4 (W4A16, GPTQ, AWQ) or float weights; '{names[0]}' "
+                         f"is {scheme.kind} (set {key}: checkpoint)")
     if quantized[0]:
         parts = [read_int4(store, name, n_out, in_features, scheme.int4) for name, n_out in zip(names, out_features)]
         for name, p in zip(names, parts):
             if p.perm is not None:
-                raise ValueError(f"moe_experts_quant: int4a8 takes int4 codes in column order; '{name}' has an "
-                                 "act-order perm (g_idx)")
+                raise ValueError(f"{field} takes int4 codes in column order; '{name}' has an act-order perm (g_idx) "
+                                 f"(set {key}: checkpoint)")
             if not bool((p.zeros == 8).all()):
-                raise ValueError(f"moe_experts_quant: int4a8 takes symmetric int4 codes (zero point 8); '{name}' has "
-                                 "zero points of its own")
+                raise ValueError(f"{field} takes symmetric int4 codes (zero point 8); '{name}' has zero points of "
+                                 f"its own (set {key}: checkpoint)")
         return W4A8Linear(_to(_fused(parts), device), kernels)
     weights = [store.get(f"{name}.weight", (n_out, in_features), FLOAT_DTYPES)
                for name, n_out in zip(names, out_features)]
@@ -218,11 +226,19 @@ def make_head(weight: torch.Tensor, kernels: Kernels, lm_head_quant: str, greedy
 
 
 def load_linear(store: WeightStore, names: list[str], out_features: list[int], in_features: int,
-                scheme: QuantScheme | None, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> nn.Module:
-    """Loads the Linear modules `names` (HF module names) fused along the output dimension."""
+                scheme: QuantScheme | None, dtype: torch.dtype, device: torch.device, kernels: Kernels,
+                int4_activations: str = "checkpoint") -> nn.Module:
+    """Loads the Linear modules `names` (HF module names) fused along the output dimension. int4_activations
+    (EngineConfig.int4_activations): 'checkpoint' (an int4 weight on the W4A16 kernel's float activations) or
+    'int8' (an int4 weight's own codes on per-token int8 activations: load_int4a8); float and int8 weights are
+    loaded as stored either way."""
+    if int4_activations not in INT4_ACTIVATIONS:
+        raise ValueError(f"int4_activations: {int4_activations!r} is not one of {', '.join(INT4_ACTIVATIONS)}")
     quantized = [scheme is not None and scheme.is_quantized(n) for n in names]
     if any(quantized) != all(quantized):
         raise CheckpointError(f"modules {names} must all be quantized or all unquantized to be fused")
+    if quantized[0] and scheme.kind == "w4a16" and int4_activations == "int8":
+        return load_int4a8(store, names, out_features, in_features, scheme, device, kernels, "int4_activations: int8")
     if quantized[0] and scheme.kind == "w4a16":
         return _load_int4(store, names, out_features, in_features, scheme, device, kernels)
     if quantized[0]:

@@ -16,7 +16,8 @@ from ..checkpoint import ModelConfig, QuantScheme, WeightStore
 from ..device import trim_host_memory
 from ..kernels import Kernels
 from ..layers.attention import Qwen3Attention
-from ..layers.linear import FLOAT_DTYPES, A8W8Linear, FloatLinear, W4A16Linear, load_linear, make_head
+from ..layers.linear import (FLOAT_DTYPES, INT4A8_KERNELS, A8W8Linear, FloatLinear, W4A16Linear, load_linear,
+                             make_head)
 from ..layers.mlp import Qwen3MLP
 from ..layers.moe import MOE_INT4A8_KERNELS, Qwen3SparseMoe, load_sparse_moe
 from .qwen3_layer_loop import LayerLoop
@@ -116,17 +117,27 @@ class Qwen3ForCausalLM(nn.Module):
     def from_checkpoint(cls, store: WeightStore, cfg: ModelConfig, scheme: QuantScheme | None, dtype: torch.dtype,
                         device: torch.device, kernels: Kernels, max_positions: int,
                         lm_head_quant: str = "checkpoint", greedy_head: str = "off",
-                        moe_experts_quant: str = "checkpoint") -> "Qwen3ForCausalLM":
+                        moe_experts_quant: str = "checkpoint",
+                        int4_activations: str = "checkpoint") -> "Qwen3ForCausalLM":
         """lm_head_quant: 'checkpoint' (the head as the checkpoint stores it), 'int8', 'int4' or 'int4a8' (quantized at
         load: layers/linear.py make_head; a tied embedding then keeps its own float rows). greedy_head 'int8': the
         checkpoint's head with an int8 screen of its greedy rows (layers/greedy_head.py). moe_experts_quant:
-        'checkpoint' or 'int4a8' (a Qwen3-MoE's routed experts as int4 codes on int8 activations, layers/moe.py)."""
+        'checkpoint' or 'int4a8' (a Qwen3-MoE's routed experts as int4 codes on int8 activations, layers/moe.py).
+        int4_activations: 'checkpoint' or 'int8' (an int4 checkpoint's attention projections and dense MLPs on
+        int8 activations, layers/linear.py load_linear; the routed experts follow moe_experts_quant)."""
         if moe_experts_quant != "checkpoint":
             if cfg.moe is None:
                 raise ValueError(f"moe_experts_quant: {moe_experts_quant} applies to Qwen3-MoE checkpoints; this one "
                                  "is a dense Qwen3 (use checkpoint)")
             if kernels.name not in MOE_INT4A8_KERNELS:
                 raise ValueError(f"moe_experts_quant: {moe_experts_quant} runs on the {' and '.join(MOE_INT4A8_KERNELS)}"
+                                 f" kernel sets; this engine runs {kernels.name!r}")
+        if int4_activations != "checkpoint":
+            if scheme is None or scheme.kind != "w4a16":
+                raise ValueError(f"int4_activations: {int4_activations} applies to int4 (W4A16, GPTQ, AWQ) checkpoints;"
+                                 f" this one is {scheme.kind if scheme else 'float'} (use checkpoint)")
+            if kernels.name not in INT4A8_KERNELS:
+                raise ValueError(f"int4_activations: {int4_activations} runs on the {' and '.join(INT4A8_KERNELS)}"
                                  f" kernel sets; this engine runs {kernels.name!r}")
         t0 = time.time()
         hid, d = cfg.hidden_size, cfg.head_dim
@@ -162,8 +173,9 @@ class Qwen3ForCausalLM(nn.Module):
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
             qkv = load_linear(store, [f"{p}.self_attn.{n}_proj" for n in "qkv"], [h * d, kvh * d, kvh * d], hid,
-                              scheme, dtype, device, kernels)
-            o = load_linear(store, [f"{p}.self_attn.o_proj"], [hid], h * d, scheme, dtype, device, kernels)
+                              scheme, dtype, device, kernels, int4_activations)
+            o = load_linear(store, [f"{p}.self_attn.o_proj"], [hid], h * d, scheme, dtype, device, kernels,
+                            int4_activations)
             attn = Qwen3Attention(i, qkv, o, dense(f"{p}.self_attn.q_norm.weight", (d,)),
                                   dense(f"{p}.self_attn.k_norm.weight", (d,)), h, kvh, d, cfg.rms_norm_eps, kernels)
             if cfg.is_moe_layer(i):
@@ -171,8 +183,9 @@ class Qwen3ForCausalLM(nn.Module):
                                       experts_quant=moe_experts_quant)
             else:
                 gate_up = load_linear(store, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [inter, inter], hid,
-                                      scheme, dtype, device, kernels)
-                down = load_linear(store, [f"{p}.mlp.down_proj"], [hid], inter, scheme, dtype, device, kernels)
+                                      scheme, dtype, device, kernels, int4_activations)
+                down = load_linear(store, [f"{p}.mlp.down_proj"], [hid], inter, scheme, dtype, device, kernels,
+                                   int4_activations)
                 mlp = Qwen3MLP(gate_up, down, kernels)
             layers.append(Qwen3DecoderLayer(attn, mlp,
                                             dense(f"{p}.input_layernorm.weight", (hid,)),

@@ -4,8 +4,9 @@ The compiled op runs the same kernel functions as the Python layers, in the same
 are bit-identical to Qwen3ForCausalLM's Python loop (the reference of behaviour, tests/test_layer_loop.py);
 it only removes the interpreter between ~200 kernel calls a step. It applies where that path would compute
 nothing else: the `cpu` kernel set, every projection a plain A8W8Linear, a W4A16Linear (GPTQ act-order ones
-included: the op gathers each row by the linear's perm as w4a16_linear does) or a FloatLinear (bf16 / fp32 weights
-in float_pack's panels: float_linear) (each linear of its own kind, as the checkpoint has it), a dense KV cache;
+included: the op gathers each row by the linear's perm as w4a16_linear does), a W4A8Linear (`int4_activations:
+int8`: w4a8_linear) or a FloatLinear (bf16 / fp32 weights in float_pack's panels: float_linear) (each linear of its
+own kind, as the checkpoint has it), a dense KV cache;
 Qwen3-MoE's sparse layers (layers/moe.py) where the router is a FloatLinear, the routing layers/moe.py's route() and
 the experts float, A8W8, W4A16 (act-order ones included, a perm per expert weight) or W4A8 in the set's native op
 (kernels/cpu/moe.py's table_of, the table the Python layer uses). Anything else (projections whose act-order perms
@@ -16,7 +17,7 @@ Qwen3ForCausalLM.forward_aux), in the region and op by op alike.
 The op takes them as one `torch.classes.qwen3_cpu.LayerPack` (the layers' list, the KV cache's K and V tensors, the
 final norm), built once per KV cache: a list of ~650 tensors converted by torch.ops at every step cost ~0.45 ms of it.
 Per layer the pack's list holds the four norms, each linear's first three prepared tensors (A8W8: packed, scale,
-colsum; W4A16: packed, scales, zeros; float: packed and two empty tensors), then each linear's column permutation
+colsum; W4A16: packed, scales, zeros; W4A8: packed, scales and an empty tensor; float: packed and two empty tensors), then each linear's column permutation
 (a W4A16Linear's act-order perm, int64 [K]; else empty), and last a float64 [4, 2]: per linear
 (qkv, o, gate_up, down) its output width and its W4A16 lut_zero (-1 for A8W8 and float, or no batch-1 table
 lookup). A sparse layer's MLP slots: the router's
@@ -30,7 +31,7 @@ import torch
 
 from ..kv_cache.dense import DenseKVCache
 from ..kernels.cpu.moe import A8W8, FLOAT, W4A16, W4A8, table_of
-from ..layers.linear import A8W8Linear, FloatLinear, W4A16Linear
+from ..layers.linear import A8W8Linear, FloatLinear, W4A8Linear, W4A16Linear
 from ..layers.mlp import Qwen3MLP
 from ..layers.moe import Qwen3SparseMoe
 
@@ -52,10 +53,13 @@ class LayerLoop:
 
     @staticmethod
     def _linear_ok(lin) -> bool:
-        """A plain A8W8Linear, a W4A16Linear (with or without a GPTQ act-order perm), or a FloatLinear in the CPU
-        set's float_pack panels."""
+        """A plain A8W8Linear, a W4A16Linear (with or without a GPTQ act-order perm), a W4A8Linear or a FloatLinear
+        in the CPU set's forms (float_pack panels; w4a16_pack'ed codes)."""
         if type(lin) is A8W8Linear:
             return len(lin.prepared) == 3
+        if type(lin) is W4A8Linear:
+            packed = lin.prepared[0]
+            return isinstance(packed, torch.Tensor) and packed.dtype == torch.int32 and packed.dim() == 3
         if type(lin) is FloatLinear:
             return isinstance(lin.prepared[0], torch.Tensor) and lin.prepared[0].dim() == 4
         return type(lin) is W4A16Linear and lin.prepared[4] == lin.out_features
@@ -97,6 +101,8 @@ class LayerLoop:
                 for j, lin in enumerate(self._linears(layer)):
                     if type(lin) is FloatLinear:   # the packed panels (prepared: packed, N, K)
                         flat += [lin.prepared[0], torch.empty(0), torch.empty(0)]
+                    elif type(lin) is W4A8Linear:   # prepared: packed, scales, N (its empty third slot marks it)
+                        flat += [lin.prepared[0], lin.prepared[1], torch.empty(0)]
                     else:   # A8W8: packed, scale, colsum; W4A16: packed, scales, zeros
                         flat += list(lin.prepared[:3])
                     lin_dims[2 * j] = float(lin.out_features)

@@ -19,6 +19,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="8GiB")
     ap.add_argument("--lm-head-quant", default="checkpoint")
     ap.add_argument("--moe-experts-quant", default="checkpoint")
+    ap.add_argument("--int4-activations", default="checkpoint")
     args = ap.parse_args()
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
@@ -26,7 +27,8 @@ def main() -> None:
     eng = LLMEngine(EngineConfig(checkpoint=args.checkpoint, kv_cache=args.kv_cache,
                                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                  max_num_batched_tokens=512, enable_prefix_caching=args.prefix_caching,
-                                 lm_head_quant=args.lm_head_quant, moe_experts_quant=args.moe_experts_quant))
+                                 lm_head_quant=args.lm_head_quant, moe_experts_quant=args.moe_experts_quant,
+                                 int4_activations=args.int4_activations))
     ids = itertools.count()
 
     def run(batch_prompts, max_tokens):

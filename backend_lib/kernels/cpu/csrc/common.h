@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -135,18 +136,53 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-// fn(i0, i1) over [0, n) in chunks of `chunk` handed out one at a time to the intra-op threads (an atomic
-// counter): a thread that is slowed (a busy neighbour on a shared host, an OS tick) takes fewer chunks
-// instead of holding up the others at the region's barrier, as a static split would.
+// Work split into homes: thread t of nt owns the chunks [chunks * t / nt, chunks * (t + 1) / nt), one contiguous
+// stretch of the weight, and takes them from the front; then it takes the others' from their backs, so that a
+// thread slowed by the host (a busy neighbour, an OS tick) takes fewer chunks instead of holding up the others at
+// the barrier, as a static split would. A home is one atomic (front << 32 | back). Handing the chunks out one at a
+// time from one counter instead interleaves the threads' chunks over the weight: small chunks (W4A16 / W4A8 panel
+// pairs, 128 KB of a 2048-wide int4 weight) then read 37-44 GB/s where the same kernel on contiguous stretches reads
+// 58-63 (the 151,936 x 2048 int4a8 head, two threads of this project's Zen 4 VM; docs/performance.md).
+inline int64_t home_of(int64_t chunks, int64_t t, int64_t nt) {
+  return ((chunks * t / nt) << 32) | (chunks * (t + 1) / nt);
+}
+// One chunk from the front (a thread's own) or the back (another's) of a home; false once it is empty.
+inline bool take_chunk(std::atomic<int64_t>& home, bool front, int64_t& c) {
+  int64_t v = home.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t f = v >> 32, b = v & 0xffffffff;
+    if (f >= b) return false;
+    const int64_t nv = front ? (((f + 1) << 32) | b) : ((f << 32) | (b - 1));
+    if (home.compare_exchange_weak(v, nv, std::memory_order_relaxed)) {
+      c = front ? f : b - 1;
+      return true;
+    }
+  }
+}
+// Thread t's chunks of the homes home(0 .. nt) (home(k): thread k's atomic): its own from the front, then the
+// others' from their backs; fn(chunk) for each.
+template <typename Home, typename Fn>
+inline void take_homes(Home&& home, int64_t t, int64_t nt, Fn&& fn) {
+  int64_t c;
+  while (take_chunk(home(t), true, c)) fn(c);
+  for (int64_t k = 1; k < nt; ++k)
+    while (take_chunk(home((t + k) % nt), false, c)) fn(c);
+}
+
+// fn(i0, i1) over [0, n) in chunks of `chunk` on the intra-op threads, split into homes (above).
 template <typename Fn>
 inline void parallel_chunks(int64_t n, int64_t chunk, Fn&& fn) {
   if (n <= 0) return;
+  chunk = std::max(chunk, (n + (int64_t{1} << 30) - 1) >> 30);   // a home's ends fit in 32 bits each
   const int64_t chunks = (n + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
-      fn(c * chunk, std::min(n, (c + 1) * chunk));
+  constexpr int64_t stride = 8;   // one home per 64 bytes: no two on one cache line
+  std::vector<std::atomic<int64_t>> homes(static_cast<size_t>(threads * stride));
+  for (int64_t t = 0; t < threads; ++t) homes[t * stride].store(home_of(chunks, t, threads), std::memory_order_relaxed);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)   // one home per thread (a smaller team: several, each then stolen from)
+      take_homes([&](int64_t k) -> std::atomic<int64_t>& { return homes[k * stride]; }, t, threads,
+                 [&](int64_t c) { fn(c * chunk, std::min(n, (c + 1) * chunk)); });
   });
 }
 

@@ -67,8 +67,9 @@ enum LayerTensor : int64_t {
   kPerLayer
 };
 // A linear's three slots hold an A8W8 weight (a8w8_pack'ed int8, w_scale, colsum), a W4A16 one (w4a16_pack'ed
-// int32, scales, zeros) or a float one (float_pack'ed fp32 / bf16, two empty tensors), told apart by the packed
-// weight's dtype. kQkvPerm + j: linear j's column permutation (a W4A16 weight's GPTQ act-order perm, int64 [K], as
+// int32, scales, zeros), a W4A8 one (`int4_activations: int8`: w4a16_pack'ed int32, scales, an empty tensor) or a
+// float one (float_pack'ed fp32 / bf16, two empty tensors), told apart by the packed weight's dtype (and the int32
+// ones by their third slot). kQkvPerm + j: linear j's column permutation (a W4A16 weight's GPTQ act-order perm, int64 [K], as
 // w4a16_linear takes it; empty: none, and for A8W8, float and a sparse layer's MLP slots). kLinDims: fp64 [4, 2], per linear (qkv, o, gate_up, down) its output width N
 // and its W4A16 lut_zero (-1: none, and for A8W8 and float).
 enum LinSlot : int64_t { kLinQkv, kLinO, kLinGateUp, kLinDown };
@@ -133,7 +134,9 @@ struct PhaseClock {
   }
 };
 
-bool is_w4a16(const at::Tensor* w, int64_t j) { return w[kQkvPacked + 3 * j].scalar_type() == at::kInt; }
+bool is_int4(const at::Tensor* w, int64_t j) { return w[kQkvPacked + 3 * j].scalar_type() == at::kInt; }
+bool is_w4a8(const at::Tensor* w, int64_t j) { return is_int4(w, j) && w[kQkvPacked + 3 * j + 2].numel() == 0; }
+bool is_w4a16(const at::Tensor* w, int64_t j) { return is_int4(w, j) && !is_w4a8(w, j); }
 bool is_float_lin(const at::Tensor* w, int64_t j) {
   const auto dt = w[kQkvPacked + 3 * j].scalar_type();
   return dt == at::kFloat || dt == at::kBFloat16;
@@ -146,16 +149,17 @@ const double* region_lin_dims(const at::Tensor* w) {
   return dims.data_ptr<double>();
 }
 
-// Linear j of the layer (LinSlot) as its layers/linear.py class computes it: a8w8_linear, w4a16_linear or
-// float_linear (FloatLinear: the output in x's dtype).
+// Linear j of the layer (LinSlot) as its layers/linear.py class computes it: a8w8_linear, w4a16_linear, w4a8_linear
+// or float_linear (FloatLinear: the output in x's dtype).
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor* w, int64_t j) {
   const at::Tensor* p = w + kQkvPacked + 3 * j;
-  if (!is_w4a16(w, j) && !is_float_lin(w, j)) return a8w8_linear(x, p[0], p[1], p[2]);
+  if (!is_int4(w, j) && !is_float_lin(w, j)) return a8w8_linear(x, p[0], p[1], p[2]);
   const at::Tensor dims = w[kLinDims].contiguous();
   TORCH_CHECK(dims.scalar_type() == at::kDouble && dims.numel() == kLinDimsLen,
               "decode_layers: a layer's linear dims must be float64 [4, 2]");
   const double* d = dims.data_ptr<double>();
   if (is_float_lin(w, j)) return float_linear(x, p[0], static_cast<int64_t>(d[2 * j]), c10::nullopt);
+  if (is_w4a8(w, j)) return w4a8_linear(x, p[0], p[1], static_cast<int64_t>(d[2 * j]));
   return w4a16_linear(x, p[0], p[1], p[2], w[kQkvPerm + j], static_cast<int64_t>(d[2 * j]), d[2 * j + 1]);
 }
 
@@ -213,10 +217,12 @@ at::Tensor decode_layers_ops(const at::Tensor& x_in, at::TensorList layers, at::
 }
 
 // One linear of the region: its weight and the panels a thread takes at a time (a chunk); A8W8 (kind moe::kA8W8:
-// w, scale, colsum, KG, Kp), W4A16 (moe::kW4A16: w4, scale = its scales, zeros, G groups, lut_zero) or float
-// (moe::kFloat: wf, float_pack'ed fp32 or bf16 (wbf16) panels of 64 outputs). Its input rows (xbytes each): A8W8
-// quantized (a8w8_quantize_row), W4A16 widened to fp32, as w4a16_linear does; float in float_linear's activation
-// type (x_f32: fp32 rows, or bf16 rows widened where float_linear widens them; else the bf16 rows as they are).
+// w, scale, colsum, KG, Kp), W4A16 (moe::kW4A16: w4, scale = its scales, zeros, G groups, lut_zero), W4A8
+// (moe::kW4A8: w4, scale = its scales, G groups) or float (moe::kFloat: wf, float_pack'ed fp32 or bf16 (wbf16)
+// panels of 64 outputs). Its input rows (xbytes each): A8W8 quantized (a8w8_quantize_row), W4A16 widened to fp32,
+// as w4a16_linear does, W4A8 prepared as w4a8_linear does (w4a8_prepare_row, its scale in sc); float in
+// float_linear's activation type (x_f32: fp32 rows, or bf16 rows widened where float_linear widens them; else the
+// bf16 rows as they are).
 struct Lin {
   int64_t kind;
   const int8_t* w;
@@ -232,7 +238,7 @@ struct Lin {
   const int64_t* perm = nullptr;   // W4A16: the act-order perm (input column k of the weight reads x[perm[k]])
 };
 
-// Linear j's tensors as a8w8_linear / w4a16_linear / float_linear would check them, for an input of K features and
+// Linear j's tensors as a8w8_linear / w4a16_linear / w4a8_linear / float_linear would check them, for an input of K features and
 // N outputs (x_f32: a float linear's rows are fp32, see Lin); false if the region cannot take it (the op path then
 // runs, and raises its own error for a malformed weight).
 bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, bool x_f32, Lin& out) {
@@ -252,6 +258,22 @@ bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, bool
     out.chunk = std::max<int64_t>(1, NP / (8 * nt));   // float_linear's chunk (linear_impl)
     out.wf = packed.data_ptr(), out.wbf16 = packed.scalar_type() == at::kBFloat16, out.x_f32 = x_f32;
     out.xbytes = static_cast<size_t>(K) * (x_f32 ? sizeof(float) : sizeof(c10::BFloat16));
+    return true;
+  }
+  if (is_w4a8(w, j)) {   // w4a8_linear's checks
+    constexpr int64_t P = moe::kPanelRows;
+    if (packed.dim() != 3 || !packed.is_contiguous() || packed.size(2) != P || scale.scalar_type() != at::kFloat ||
+        !scale.is_contiguous() || scale.dim() != 3 || scale.size(2) != P)
+      return false;
+    const int64_t NP = packed.size(0), G = scale.size(1);
+    if (NP != (N + P - 1) / P || scale.size(0) != NP || packed.size(1) != (K + 7) / 8 || G <= 0 || K % G != 0 ||
+        K / G > 16384)
+      return false;
+    out = Lin{};
+    out.kind = moe::kW4A8, out.w4 = packed.data_ptr<int32_t>(), out.scale = scale.data_ptr<float>();
+    out.N = N, out.NP = NP, out.K = K, out.G = G, out.lut = -1.f;
+    out.chunk = 2;   // w4a8_linear's chunk: panel pairs
+    out.xbytes = static_cast<size_t>(parts::w4a8_row_bytes(K, G));
     return true;
   }
   if (packed.scalar_type() == at::kInt) {   // W4A16: w4a16_linear's checks
@@ -292,6 +314,10 @@ inline void prep_row(const Lin& lin, const T* src, int64_t r, char* xu, float* s
   char* dst = xu + r * lin.xbytes;
   if (lin.kind == moe::kA8W8) {
     sc[r] = parts::a8w8_quantize_row(src, lin.K, lin.Kp, dst);
+    return;
+  }
+  if (lin.kind == moe::kW4A8) {
+    sc[r] = parts::w4a8_prepare_row(src, lin.K, lin.G, dst);
     return;
   }
   if (!lin.x_f32) {   // a float linear's bf16 rows as they are
@@ -494,20 +520,21 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
   const int sets = redundant ? nt : 1;   // row-split steps use set 0 as the shared one
   char* base = ws.reserve(shared_bytes + per_bytes * std::max(sets, nt));
   // Counters, each on a cache line of its own: per layer the attention items' counter, then per layer, GEMV and
-  // thread that thread's home chunks (front << 32 | back). A thread takes the chunks of its home from the front,
-  // one contiguous stretch of the weight per thread, then the others' from their backs: a thread slowed by the
-  // host (or a team smaller than asked for) takes fewer chunks instead of holding up the others at the barrier.
-  // Sparse layers: 4 counters each (router panels, gate_up items, down items, combine items) after the homes.
-  std::atomic<int64_t>* items_ctr = ws.reserve_counters(static_cast<size_t>(s.L * (1 + 4 * nt + 4) * kLine));
+  // thread that thread's home chunks (common.h take_homes: one contiguous stretch of the weight per thread, then
+  // the others' from their backs). Sparse layers: 2 counters each (router panels, combine items) after the homes,
+  // then per thread its home of the gate_up items and of the down items (set by the thread that routes, once the
+  // items are known).
+  std::atomic<int64_t>* items_ctr =
+      ws.reserve_counters(static_cast<size_t>(s.L * (1 + 4 * nt + 2 + 2 * nt) * kLine));
   std::atomic<int64_t>* homes = items_ctr + s.L * kLine;
   std::atomic<int64_t>* moe_ctr = homes + s.L * 4 * nt * kLine;
+  std::atomic<int64_t>* moe_homes = moe_ctr + s.L * 2 * kLine;
   for (int64_t l = 0; l < s.L; ++l) {
     const Lin* lins[4] = {&s.qkv[l], &s.o[l], &s.gate_up[l], &s.down[l]};
     for (int j = 0; j < 4; ++j) {
       const int64_t chunks = (lins[j]->NP + lins[j]->chunk - 1) / lins[j]->chunk;
       for (int t = 0; t < nt; ++t)
-        homes[((l * 4 + j) * nt + t) * kLine].store(((chunks * t / nt) << 32) | (chunks * (t + 1) / nt),
-                                                    std::memory_order_relaxed);
+        homes[((l * 4 + j) * nt + t) * kLine].store(home_of(chunks, t, nt), std::memory_order_relaxed);
     }
   }
   T* qkv = reinterpret_cast<T*>(base + o_qkv);
@@ -553,18 +580,6 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
       }
       clk.mark(p);
     };
-    auto take = [](std::atomic<int64_t>& a, bool front, int64_t& c) {   // a chunk from the front or the back
-      int64_t v = a.load(std::memory_order_relaxed);
-      for (;;) {
-        const int64_t f = v >> 32, b = v & 0xffffffff;
-        if (f >= b) return false;
-        const int64_t nv = front ? (((f + 1) << 32) | b) : ((f << 32) | (b - 1));
-        if (a.compare_exchange_weak(v, nv, std::memory_order_relaxed)) {
-          c = front ? f : b - 1;
-          return true;
-        }
-      }
-    };
     auto gemv = [&](const Lin& lin, std::atomic<int64_t>* home, T* y, Phase p) {
       // W4A16 batch 1: the table lookup where w4a16_linear takes it (the weight's lut_zero, the row exact); every
       // thread checks the row it reads (its own copy: the same bits, the same answer)
@@ -577,13 +592,12 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
           parts::w4a16_panel_range<T>(xf4, Tn, lin.K, lin.w4, lin.scale, lin.zeros, lin.G, p0, p1, y, lin.N, z);
         else if (lin.kind == moe::kFloat)
           float_lin_panels<T>(lin, xu, Tn, y, p0, p1);
+        else if (lin.kind == moe::kW4A8)
+          parts::w4a8_panel_range<T>(xu, sc, Tn, lin.K, lin.w4, lin.scale, lin.G, p0, p1, y, lin.N);
         else
           parts::a8w8_panels(xu, sc, Tn, lin.Kp, lin.w, lin.KG, lin.scale, lin.colsum, lin.N, p0, p1, y, lin.N);
       };
-      int64_t ch;
-      while (take(home[tid * kLine], true, ch)) run(ch);
-      for (int k = 1; k < nt; ++k)
-        while (take(home[(tid + k) % nt * kLine], false, ch)) run(ch);
+      take_homes([&](int64_t k) -> std::atomic<int64_t>& { return home[k * kLine]; }, tid, nt, run);
       clk.mark(p);
 #pragma omp barrier
       clk.mark(static_cast<Phase>(p + 1));   // the wait for the others' panels
@@ -657,14 +671,21 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
                        : moe::prepare<T, T>(ex, hn + r * hid, hid, ex.kp_h, xu + r * ex.rb_h);
         }
         rows_done(kNormPost);
-        std::atomic<int64_t>* mc = moe_ctr + l * 4 * kLine;
+        std::atomic<int64_t>* mc = moe_ctr + l * 2 * kLine;
         for (int64_t p = mc[0].fetch_add(1, std::memory_order_relaxed); p < sp.router_np;
              p = mc[0].fetch_add(1, std::memory_order_relaxed))
           router_panel<T>(sp, hn, xf, Tn, hid, logits, p);
         clk.mark(kRouter);
 #pragma omp barrier
         clk.mark(kRouterWait);
-        if (tid == 0 && !route_plan<T>(sp, logits, Tn, plan_mem, plan)) failed = true;
+        std::atomic<int64_t>* mh = moe_homes + l * 2 * nt * kLine;   // this layer's gate_up and down item homes
+        if (tid == 0) {
+          if (!route_plan<T>(sp, logits, Tn, plan_mem, plan)) failed = true;
+          for (int t = 0; t < nt && !failed; ++t) {
+            mh[t * kLine].store(home_of(plan.ng * ex.ch_gu, t, nt), std::memory_order_relaxed);
+            mh[(nt + t) * kLine].store(home_of(plan.ng * ex.ch_dn, t, nt), std::memory_order_relaxed);
+          }
+        }
 #pragma omp barrier
         clk.mark(kRoute);
         if (failed) break;
@@ -675,9 +696,9 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
 #pragma omp barrier
         }
         clk.mark(kGather);
-        for (int64_t it = mc[kLine].fetch_add(1, std::memory_order_relaxed); it < plan.ng * ex.ch_gu;
-             it = mc[kLine].fetch_add(1, std::memory_order_relaxed))
-          wide ? moe::gate_up_item<T, float>(ex, plan, b, it) : moe::gate_up_item<T, T>(ex, plan, b, it);   // (3)
+        take_homes([&](int64_t k) -> std::atomic<int64_t>& { return mh[k * kLine]; }, tid, nt, [&](int64_t it) {   // (3)
+          wide ? moe::gate_up_item<T, float>(ex, plan, b, it) : moe::gate_up_item<T, T>(ex, plan, b, it);
+        });
         clk.mark(kExpGateUp);
 #pragma omp barrier
         clk.mark(kExpGateUpWait);
@@ -685,14 +706,15 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
           wide ? moe::silu_slot<T, float>(ex, plan, b, q) : moe::silu_slot<T, T>(ex, plan, b, q);
 #pragma omp barrier
         clk.mark(kExpSilu);
-        for (int64_t it = mc[2 * kLine].fetch_add(1, std::memory_order_relaxed); it < plan.ng * ex.ch_dn;
-             it = mc[2 * kLine].fetch_add(1, std::memory_order_relaxed))
-          wide ? moe::down_item<T, float>(ex, plan, b, it) : moe::down_item<T, T>(ex, plan, b, it);   // (5)
+        take_homes([&](int64_t k) -> std::atomic<int64_t>& { return mh[(nt + k) * kLine]; }, tid, nt,
+                   [&](int64_t it) {   // (5)
+          wide ? moe::down_item<T, float>(ex, plan, b, it) : moe::down_item<T, T>(ex, plan, b, it);
+        });
         clk.mark(kExpDown);
 #pragma omp barrier
         clk.mark(kExpDownWait);
-        for (int64_t it = mc[3 * kLine].fetch_add(1, std::memory_order_relaxed); it < Tn * ex.cchunks;
-             it = mc[3 * kLine].fetch_add(1, std::memory_order_relaxed))
+        for (int64_t it = mc[kLine].fetch_add(1, std::memory_order_relaxed); it < Tn * ex.cchunks;
+             it = mc[kLine].fetch_add(1, std::memory_order_relaxed))
           moe::combine_item<T>(ex, plan, b, it, xb);   // (6): the layer's output rows
 #pragma omp barrier
         clk.mark(kCombine);

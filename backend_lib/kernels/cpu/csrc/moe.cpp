@@ -55,8 +55,14 @@ void moe_impl(const Experts& ex, const T* x, const int64_t* ids, const T* wts, i
   const Bufs b = bufs_at(base + pb, ex, Tn, S, sizeof(T), true);
   const int64_t ng = plan.ng;
   const bool gather = needs_gather(ex, plan);
-  Counter ctr[3];
+  Counter ctr;   // the combine's items
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ng * ex.ch_gu)));
+  // per thread its home of the gate_up items, then of the down items (common.h take_homes)
+  std::vector<Counter> homes(static_cast<size_t>(2 * nt));
+  for (int t = 0; t < nt; ++t) {
+    homes[t].v.store(home_of(ng * ex.ch_gu, t, nt), std::memory_order_relaxed);
+    homes[nt + t].v.store(home_of(ng * ex.ch_dn, t, nt), std::memory_order_relaxed);
+  }
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
@@ -69,18 +75,18 @@ void moe_impl(const Experts& ex, const T* x, const int64_t* ids, const T* wts, i
 #pragma omp barrier
     }
     // (3) gate_up of every touched expert
-    for (int64_t it = ctr[0].v.fetch_add(1); it < ng * ex.ch_gu; it = ctr[0].v.fetch_add(1))
-      gate_up_item<T, XT>(ex, plan, b, it);
+    take_homes([&](int64_t k) -> std::atomic<int64_t>& { return homes[k].v; }, tid, nt,
+               [&](int64_t it) { gate_up_item<T, XT>(ex, plan, b, it); });
 #pragma omp barrier
     // (4) SwiGLU, the down GEMM's input
     for (int64_t s = tid; s < S; s += team) silu_slot<T, XT>(ex, plan, b, s);
 #pragma omp barrier
     // (5) down
-    for (int64_t it = ctr[1].v.fetch_add(1); it < ng * ex.ch_dn; it = ctr[1].v.fetch_add(1))
-      down_item<T, XT>(ex, plan, b, it);
+    take_homes([&](int64_t k) -> std::atomic<int64_t>& { return homes[nt + k].v; }, tid, nt,
+               [&](int64_t it) { down_item<T, XT>(ex, plan, b, it); });
 #pragma omp barrier
     // (6) the combine
-    for (int64_t it = ctr[2].v.fetch_add(1); it < Tn * ex.cchunks; it = ctr[2].v.fetch_add(1))
+    for (int64_t it = ctr.v.fetch_add(1); it < Tn * ex.cchunks; it = ctr.v.fetch_add(1))
       combine_item<T>(ex, plan, b, it, out);
   }
 }

@@ -65,6 +65,7 @@ at::Tensor a8w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const at::Tensor& colsum);
 at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const at::Tensor& zeros, const at::Tensor& perm, int64_t N, double lut_zero);
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N);
 at::Tensor decode_layers(const at::Tensor& x, const c10::intrusive_ptr<LayerPack>& pack,
                          const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
