@@ -153,23 +153,18 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be > 1, got {self.max_model_len}")
         if self.lm_head_quant not in LM_HEAD_QUANTS:
             raise ValueError(f"lm_head_quant: {self.lm_head_quant!r} is not one of {', '.join(LM_HEAD_QUANTS)}")
-        if self.moe_experts_quant not in MOE_EXPERTS_QUANTS:
-            raise ValueError(f"moe_experts_quant: {self.moe_experts_quant!r} is not one of "
-                             f"{', '.join(MOE_EXPERTS_QUANTS)}")
-        if self.moe_experts_quant != "checkpoint" and self.tensor_parallel_size > 1:
-            raise ValueError(f"moe_experts_quant: {self.moe_experts_quant} is not supported with "
-                             "tensor_parallel_size > 1 (the ranks load the checkpoint's experts); use checkpoint")
-        if self.moe_experts_quant != "checkpoint" and self.kernels not in ("auto",) + MOE_INT4A8_KERNELS:
-            raise ValueError(f"moe_experts_quant: {self.moe_experts_quant} runs on the "
-                             f"{' and '.join(MOE_INT4A8_KERNELS)} kernel sets, not {self.kernels!r}")
-        if self.int4_activations not in INT4_ACTIVATIONS:
-            raise ValueError(f"int4_activations: {self.int4_activations!r} is not one of {', '.join(INT4_ACTIVATIONS)}")
-        if self.int4_activations != "checkpoint" and self.tensor_parallel_size > 1:
-            raise ValueError(f"int4_activations: {self.int4_activations} is not supported with tensor_parallel_size > 1"
-                             " (the ranks load the checkpoint's W4A16 shards); use checkpoint")
-        if self.int4_activations != "checkpoint" and self.kernels not in ("auto",) + INT4A8_KERNELS:
-            raise ValueError(f"int4_activations: {self.int4_activations} runs on the {' and '.join(INT4A8_KERNELS)} "
-                             f"kernel sets, not {self.kernels!r}")
+        # the int4-on-int8-activations settings: one rank (the ranks load the checkpoint's weights as stored), the
+        # kernel sets with the w4a8 arithmetic
+        for name, values, sets in (("moe_experts_quant", MOE_EXPERTS_QUANTS, MOE_INT4A8_KERNELS),
+                                   ("int4_activations", INT4_ACTIVATIONS, INT4A8_KERNELS)):
+            value = getattr(self, name)
+            if value not in values:
+                raise ValueError(f"{name}: {value!r} is not one of {', '.join(values)}")
+            if value != "checkpoint" and self.tensor_parallel_size > 1:
+                raise ValueError(f"{name}: {value} is not supported with tensor_parallel_size > 1 (the ranks load "
+                                 "the checkpoint's weights as stored); use checkpoint")
+            if value != "checkpoint" and self.kernels not in ("auto",) + sets:
+                raise ValueError(f"{name}: {value} runs on the {' and '.join(sets)} kernel sets, not {self.kernels!r}")
         if self.greedy_head not in GREEDY_HEADS:
             raise ValueError(f"greedy_head: {self.greedy_head!r} is not one of {', '.join(GREEDY_HEADS)}")
         if self.greedy_head == "int8" and self.lm_head_quant != "checkpoint":

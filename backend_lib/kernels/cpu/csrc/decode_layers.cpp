@@ -69,8 +69,8 @@ enum LayerTensor : int64_t {
 // A linear's three slots hold an A8W8 weight (a8w8_pack'ed int8, w_scale, colsum), a W4A16 one (w4a16_pack'ed
 // int32, scales, zeros), a W4A8 one (`int4_activations: int8`: w4a16_pack'ed int32, scales, an empty tensor) or a
 // float one (float_pack'ed fp32 / bf16, two empty tensors), told apart by the packed weight's dtype (and the int32
-// ones by their third slot). kQkvPerm + j: linear j's column permutation (a W4A16 weight's GPTQ act-order perm, int64 [K], as
-// w4a16_linear takes it; empty: none, and for A8W8, float and a sparse layer's MLP slots). kLinDims: fp64 [4, 2], per linear (qkv, o, gate_up, down) its output width N
+// ones by their third slot). kQkvPerm + j: linear j's column permutation (a W4A16 weight's GPTQ act-order perm,
+// int64 [K], as w4a16_linear takes it; empty: none, and for A8W8, float and a sparse layer's MLP slots). kLinDims: fp64 [4, 2], per linear (qkv, o, gate_up, down) its output width N
 // and its W4A16 lut_zero (-1: none, and for A8W8 and float).
 enum LinSlot : int64_t { kLinQkv, kLinO, kLinGateUp, kLinDown };
 constexpr int64_t kLinDimsLen = 8;
@@ -238,9 +238,9 @@ struct Lin {
   const int64_t* perm = nullptr;   // W4A16: the act-order perm (input column k of the weight reads x[perm[k]])
 };
 
-// Linear j's tensors as a8w8_linear / w4a16_linear / w4a8_linear / float_linear would check them, for an input of K features and
-// N outputs (x_f32: a float linear's rows are fp32, see Lin); false if the region cannot take it (the op path then
-// runs, and raises its own error for a malformed weight).
+// Linear j's tensors as a8w8_linear / w4a16_linear / w4a8_linear / float_linear would check them, for an input of K
+// features and N outputs (x_f32: a float linear's rows are fp32, see Lin); false if the region cannot take it (the op
+// path then runs, and raises its own error for a malformed weight).
 bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, bool x_f32, Lin& out) {
   const at::Tensor &packed = w[kQkvPacked + 3 * j], &scale = w[kQkvPacked + 3 * j + 1],
                    &aux = w[kQkvPacked + 3 * j + 2];
