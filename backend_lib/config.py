@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from .kernels import KERNEL_BACKENDS
 from .kv_cache.pool import KV_CACHE_KINDS, parse_memory_budget
 from .layers.linear import INT4_ACTIVATIONS, INT4A8_KERNELS
-from .layers.moe import MOE_EXPERTS_QUANTS, MOE_INT4A8_KERNELS
+from .layers.moe import MOE_EXPERTS_QUANTS
 from .contract.fields import SamplingLimits
 
 
@@ -155,16 +155,16 @@ class EngineConfig:
             raise ValueError(f"lm_head_quant: {self.lm_head_quant!r} is not one of {', '.join(LM_HEAD_QUANTS)}")
         # the int4-on-int8-activations settings: one rank (the ranks load the checkpoint's weights as stored), the
         # kernel sets with the w4a8 arithmetic
-        for name, values, sets in (("moe_experts_quant", MOE_EXPERTS_QUANTS, MOE_INT4A8_KERNELS),
-                                   ("int4_activations", INT4_ACTIVATIONS, INT4A8_KERNELS)):
+        for name, values in (("moe_experts_quant", MOE_EXPERTS_QUANTS), ("int4_activations", INT4_ACTIVATIONS)):
             value = getattr(self, name)
             if value not in values:
                 raise ValueError(f"{name}: {value!r} is not one of {', '.join(values)}")
             if value != "checkpoint" and self.tensor_parallel_size > 1:
                 raise ValueError(f"{name}: {value} is not supported with tensor_parallel_size > 1 (the ranks load "
                                  "the checkpoint's weights as stored); use checkpoint")
-            if value != "checkpoint" and self.kernels not in ("auto",) + sets:
-                raise ValueError(f"{name}: {value} runs on the {' and '.join(sets)} kernel sets, not {self.kernels!r}")
+            if value != "checkpoint" and self.kernels not in ("auto",) + INT4A8_KERNELS:
+                raise ValueError(f"{name}: {value} runs on the {' and '.join(INT4A8_KERNELS)} kernel sets, not "
+                                 f"{self.kernels!r}")
         if self.greedy_head not in GREEDY_HEADS:
             raise ValueError(f"greedy_head: {self.greedy_head!r} is not one of {', '.join(GREEDY_HEADS)}")
         if self.greedy_head == "int8" and self.lm_head_quant != "checkpoint":

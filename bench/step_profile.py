@@ -38,21 +38,15 @@ def decode_weight_mb(model) -> float:
     screened greedy head (layers/greedy_head.py) reads its int8 screen (a module of its own, counted) and only its
     candidates' rows of the float weight (not counted: a few hundred KB), and a Qwen3-MoE layer only its top-k
     experts' weights (of its router's E)."""
-    import torch
-
     from backend_lib.layers.greedy_head import ScreenedHead
     from backend_lib.layers.moe import Qwen3SparseMoe
 
-    def nbytes(m) -> int:
-        return sum(t.numel() * t.element_size() for t in (getattr(m, "prepared", None) or ())
-                   if isinstance(t, torch.Tensor))
-
-    total = sum(nbytes(m) for m in model.modules() if not isinstance(m, ScreenedHead))
+    total = sum(_prepared_bytes(m) for m in model.modules() if not isinstance(m, ScreenedHead))
     for layer in getattr(model, "layers", ()):
         if type(layer.mlp) is Qwen3SparseMoe:
             pairs = [p for p in layer.mlp.expert_pairs if p is not None]
-            total -= sum(nbytes(m) for p in pairs for m in p)
-            total += layer.mlp.top_k * sum(nbytes(m) for m in pairs[0])
+            total -= sum(_prepared_bytes(m) for p in pairs for m in p)
+            total += layer.mlp.top_k * sum(_prepared_bytes(m) for m in pairs[0])
     return total / 1e6
 
 
@@ -288,7 +282,9 @@ REGION_ROWS = (
 
 
 def _prepared_bytes(mod) -> int:
-    return sum(t.numel() * t.element_size() for t in mod.prepared if isinstance(t, torch.Tensor))
+    """Bytes of a module's prepared weight tensors (0 for a module without one)."""
+    return sum(t.numel() * t.element_size() for t in (getattr(mod, "prepared", None) or ())
+               if isinstance(t, torch.Tensor))
 
 
 def _region_bytes(model, what: str) -> int | None:

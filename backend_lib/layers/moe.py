@@ -11,12 +11,11 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, QuantScheme, WeightStore
 from ..kernels import Kernels
-from .linear import FLOAT_DTYPES, INT4A8_KERNELS, FloatLinear, int4a8_linear, load_int4a8, load_linear
+from .linear import FLOAT_DTYPES, FloatLinear, int4a8_linear, load_int4a8, load_linear
 
-# EngineConfig.moe_experts_quant: the experts as stored, or int4 codes on int8 activations (load_sparse_moe)
+# EngineConfig.moe_experts_quant: the experts as stored, or int4 codes on int8 activations (load_sparse_moe; the
+# kernel sets of layers/linear.py INT4A8_KERNELS: the CPU set's native op, the reference's composed slot)
 MOE_EXPERTS_QUANTS = ("checkpoint", "int4a8")
-# the kernel sets whose MoE slot takes int4a8 experts (the CPU set's native op; the reference's composed slot)
-MOE_INT4A8_KERNELS = INT4A8_KERNELS
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

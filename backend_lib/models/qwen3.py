@@ -19,7 +19,7 @@ from ..layers.attention import Qwen3Attention
 from ..layers.linear import (FLOAT_DTYPES, INT4A8_KERNELS, A8W8Linear, FloatLinear, W4A16Linear, load_linear,
                              make_head)
 from ..layers.mlp import Qwen3MLP
-from ..layers.moe import MOE_INT4A8_KERNELS, Qwen3SparseMoe, load_sparse_moe
+from ..layers.moe import Qwen3SparseMoe, load_sparse_moe
 from .qwen3_layer_loop import LayerLoop
 
 log = logging.getLogger(__name__)
@@ -125,20 +125,16 @@ class Qwen3ForCausalLM(nn.Module):
         'checkpoint' or 'int4a8' (a Qwen3-MoE's routed experts as int4 codes on int8 activations, layers/moe.py).
         int4_activations: 'checkpoint' or 'int8' (an int4 checkpoint's attention projections and dense MLPs on
         int8 activations, layers/linear.py load_linear; the routed experts follow moe_experts_quant)."""
-        if moe_experts_quant != "checkpoint":
-            if cfg.moe is None:
-                raise ValueError(f"moe_experts_quant: {moe_experts_quant} applies to Qwen3-MoE checkpoints; this one "
-                                 "is a dense Qwen3 (use checkpoint)")
-            if kernels.name not in MOE_INT4A8_KERNELS:
-                raise ValueError(f"moe_experts_quant: {moe_experts_quant} runs on the {' and '.join(MOE_INT4A8_KERNELS)}"
-                                 f" kernel sets; this engine runs {kernels.name!r}")
-        if int4_activations != "checkpoint":
-            if scheme is None or scheme.kind != "w4a16":
-                raise ValueError(f"int4_activations: {int4_activations} applies to int4 (W4A16, GPTQ, AWQ) checkpoints;"
-                                 f" this one is {scheme.kind if scheme else 'float'} (use checkpoint)")
-            if kernels.name not in INT4A8_KERNELS:
-                raise ValueError(f"int4_activations: {int4_activations} runs on the {' and '.join(INT4A8_KERNELS)}"
-                                 f" kernel sets; this engine runs {kernels.name!r}")
+        if moe_experts_quant != "checkpoint" and cfg.moe is None:
+            raise ValueError(f"moe_experts_quant: {moe_experts_quant} applies to Qwen3-MoE checkpoints; this one "
+                             "is a dense Qwen3 (use checkpoint)")
+        if int4_activations != "checkpoint" and (scheme is None or scheme.kind != "w4a16"):
+            raise ValueError(f"int4_activations: {int4_activations} applies to int4 (W4A16, GPTQ, AWQ) checkpoints;"
+                             f" this one is {scheme.kind if scheme else 'float'} (use checkpoint)")
+        for name, value in (("moe_experts_quant", moe_experts_quant), ("int4_activations", int4_activations)):
+            if value != "checkpoint" and kernels.name not in INT4A8_KERNELS:   # the sets with the w4a8 arithmetic
+                raise ValueError(f"{name}: {value} runs on the {' and '.join(INT4A8_KERNELS)} kernel sets; this engine"
+                                 f" runs {kernels.name!r}")
         t0 = time.time()
         hid, d = cfg.hidden_size, cfg.head_dim
         h, kvh, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size

@@ -17,7 +17,8 @@ Qwen3ForCausalLM.forward_aux), in the region and op by op alike.
 The op takes them as one `torch.classes.qwen3_cpu.LayerPack` (the layers' list, the KV cache's K and V tensors, the
 final norm), built once per KV cache: a list of ~650 tensors converted by torch.ops at every step cost ~0.45 ms of it.
 Per layer the pack's list holds the four norms, each linear's first three prepared tensors (A8W8: packed, scale,
-colsum; W4A16: packed, scales, zeros; W4A8: packed, scales and an empty tensor; float: packed and two empty tensors), then each linear's column permutation
+colsum; W4A16: packed, scales, zeros; W4A8: packed, scales and an empty tensor; float: packed and two empty
+tensors), then each linear's column permutation
 (a W4A16Linear's act-order perm, int64 [K]; else empty), and last a float64 [4, 2]: per linear
 (qkv, o, gate_up, down) its output width and its W4A16 lut_zero (-1 for A8W8 and float, or no batch-1 table
 lookup). A sparse layer's MLP slots: the router's

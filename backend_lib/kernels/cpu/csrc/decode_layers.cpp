@@ -70,8 +70,9 @@ enum LayerTensor : int64_t {
 // int32, scales, zeros), a W4A8 one (`int4_activations: int8`: w4a16_pack'ed int32, scales, an empty tensor) or a
 // float one (float_pack'ed fp32 / bf16, two empty tensors), told apart by the packed weight's dtype (and the int32
 // ones by their third slot). kQkvPerm + j: linear j's column permutation (a W4A16 weight's GPTQ act-order perm,
-// int64 [K], as w4a16_linear takes it; empty: none, and for A8W8, float and a sparse layer's MLP slots). kLinDims: fp64 [4, 2], per linear (qkv, o, gate_up, down) its output width N
-// and its W4A16 lut_zero (-1: none, and for A8W8 and float).
+// int64 [K], as w4a16_linear takes it; empty: none, and for A8W8, float and a sparse layer's MLP slots). kLinDims:
+// fp64 [4, 2], per linear (qkv, o, gate_up, down) its output width N and its W4A16 lut_zero (-1: none, and for
+// A8W8, float and W4A8).
 enum LinSlot : int64_t { kLinQkv, kLinO, kLinGateUp, kLinDown };
 constexpr int64_t kLinDimsLen = 8;
 // A sparse (Qwen3-MoE) layer's MLP slots hold instead: kRouterPacked the router's float_pack'ed weight (E outputs),
@@ -238,6 +239,19 @@ struct Lin {
   const int64_t* perm = nullptr;   // W4A16: the act-order perm (input column k of the weight reads x[perm[k]])
 };
 
+// An int4 weight's codes and scales as w4a16_pack and the CPU set's blocked scales shape them for K inputs and N
+// outputs (the checks w4a16_linear and w4a8_linear share): packed int32 [NP, K/8, 64], scales fp32 [NP, G, 64],
+// both contiguous, G groups dividing K. NP and G out; false if they are not so.
+bool int4_panels_ok(const at::Tensor& packed, const at::Tensor& scale, int64_t K, int64_t N, int64_t& NP, int64_t& G) {
+  constexpr int64_t P = moe::kPanelRows;
+  if (packed.dim() != 3 || !packed.is_contiguous() || packed.size(2) != P || scale.scalar_type() != at::kFloat ||
+      !scale.is_contiguous() || scale.dim() != 3)
+    return false;
+  NP = packed.size(0), G = scale.size(1);
+  return NP == (N + P - 1) / P && scale.size(0) == NP && scale.size(2) == P && packed.size(1) == (K + 7) / 8 &&
+         G > 0 && K % G == 0;
+}
+
 // Linear j's tensors as a8w8_linear / w4a16_linear / w4a8_linear / float_linear would check them, for an input of K
 // features and N outputs (x_f32: a float linear's rows are fp32, see Lin); false if the region cannot take it (the op
 // path then runs, and raises its own error for a malformed weight).
@@ -261,14 +275,8 @@ bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, bool
     return true;
   }
   if (is_w4a8(w, j)) {   // w4a8_linear's checks
-    constexpr int64_t P = moe::kPanelRows;
-    if (packed.dim() != 3 || !packed.is_contiguous() || packed.size(2) != P || scale.scalar_type() != at::kFloat ||
-        !scale.is_contiguous() || scale.dim() != 3 || scale.size(2) != P)
-      return false;
-    const int64_t NP = packed.size(0), G = scale.size(1);
-    if (NP != (N + P - 1) / P || scale.size(0) != NP || packed.size(1) != (K + 7) / 8 || G <= 0 || K % G != 0 ||
-        K / G > 16384)
-      return false;
+    int64_t NP, G;
+    if (!int4_panels_ok(packed, scale, K, N, NP, G) || K / G > 16384) return false;
     out = Lin{};
     out.kind = moe::kW4A8, out.w4 = packed.data_ptr<int32_t>(), out.scale = scale.data_ptr<float>();
     out.N = N, out.NP = NP, out.K = K, out.G = G, out.lut = -1.f;
@@ -276,15 +284,10 @@ bool make_lin(const at::Tensor* w, int64_t j, int64_t K, int64_t N, int nt, bool
     out.xbytes = static_cast<size_t>(parts::w4a8_row_bytes(K, G));
     return true;
   }
-  if (packed.scalar_type() == at::kInt) {   // W4A16: w4a16_linear's checks
-    constexpr int64_t P = moe::kPanelRows;
-    if (packed.dim() != 3 || !packed.is_contiguous() || packed.size(2) != P || scale.scalar_type() != at::kFloat ||
-        !scale.is_contiguous() || scale.dim() != 3 || aux.sizes() != scale.sizes() ||
+  if (packed.scalar_type() == at::kInt) {   // W4A16: w4a16_linear's checks, and its zeros shaped as its scales
+    int64_t NP, G;
+    if (!int4_panels_ok(packed, scale, K, N, NP, G) || aux.sizes() != scale.sizes() ||
         aux.scalar_type() != at::kFloat || !aux.is_contiguous())
-      return false;
-    const int64_t NP = packed.size(0), G = scale.size(1);
-    if (NP != (N + P - 1) / P || scale.size(0) != NP || scale.size(2) != P || packed.size(1) != (K + 7) / 8 ||
-        G <= 0 || K % G != 0)
       return false;
     const at::Tensor& perm = w[kQkvPerm + j];   // w4a16_linear's check of the perm
     if (perm.scalar_type() != at::kLong || !perm.is_contiguous() || (perm.numel() != 0 && perm.numel() != K))
@@ -696,7 +699,8 @@ void run_region(const Step<T>& s, int nt, Workspace& ws) {
 #pragma omp barrier
         }
         clk.mark(kGather);
-        take_homes([&](int64_t k) -> std::atomic<int64_t>& { return mh[k * kLine]; }, tid, nt, [&](int64_t it) {   // (3)
+        take_homes([&](int64_t k) -> std::atomic<int64_t>& { return mh[k * kLine]; }, tid, nt,
+                   [&](int64_t it) {   // (3)
           wide ? moe::gate_up_item<T, float>(ex, plan, b, it) : moe::gate_up_item<T, T>(ex, plan, b, it);
         });
         clk.mark(kExpGateUp);
